@@ -1,0 +1,64 @@
+// Tile scheduler: splits the batch's KV pages across `num_sm_parts` persistent CTAs.
+//
+// A request costs (its pages + kFixedOverheadBlocks); every part gets a payload of about
+// total_cost / num_sm_parts. Walking the requests in order, a part takes whole requests while they
+// fit and otherwise the part of the next request that fits, which becomes one "split" of it.
+// Output per part: [begin_req, begin_token, end_req, end_token, begin_split, 0, 0, 0]; and
+// num_splits[i] = number of splits of requests < i (prefix sums, num_splits[0] = 0).
+// flashmla_cupy/scheduler.py is the same algorithm in Python; the tests compare the two.
+#include "common/pdl.cuh"
+#include "mla/config.cuh"
+#include "mla/params.cuh"
+
+namespace flashmla {
+
+__device__ __forceinline__ int pages_of(int seqlen, int block_n) {
+    return (seqlen + block_n - 1) / block_n;
+}
+
+__global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_constant__ MetadataParams p) {
+    const int lane = threadIdx.x;
+    const int overhead = p.fixed_overhead_blocks;
+
+    int total_cost = 0;
+    for (int i = lane; i < p.batch; i += 32) {
+        total_cost += pages_of(p.seqlens[i], p.block_n) + overhead;
+    }
+    #pragma unroll
+    for (int offset = 16; offset >= 1; offset /= 2) {
+        total_cost += __shfl_xor_sync(0xffffffffu, total_cost, offset);
+    }
+    if (lane != 0) return;
+
+    const int payload = max((total_cost + p.num_sm_parts - 1) / p.num_sm_parts + overhead, 2 * overhead);
+    int req = 0, page = 0, split = 0, splits_so_far = 0;
+    p.num_splits[0] = 0;
+    for (int part = 0; part < p.num_sm_parts; ++part) {
+        const int begin_req = req, begin_token = page * p.block_n, begin_split = split;
+        int budget = payload;
+        while (req < p.batch) {
+            const int pages_left = pages_of(p.seqlens[req], p.block_n) - page;
+            if (budget >= pages_left + overhead) {          // the rest of this request fits
+                splits_so_far += split + 1;
+                p.num_splits[req + 1] = splits_so_far;
+                budget -= pages_left + overhead;
+                ++req;
+                page = 0;
+                split = 0;
+            } else {                                         // take what fits, split the request
+                if (budget - overhead > 0) {
+                    page += budget - overhead;
+                    ++split;
+                }
+                break;
+            }
+        }
+        int4* out = reinterpret_cast<int4*>(p.sched_meta + part * kSchedMetaInts);
+        out[0] = make_int4(begin_req, begin_token,
+                           page > 0 ? req : req - 1,
+                           page > 0 ? page * p.block_n : p.seqlens[req - 1]);
+        out[1] = make_int4(begin_split, 0, 0, 0);
+    }
+}
+
+}  // namespace flashmla

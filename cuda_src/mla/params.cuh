@@ -1,0 +1,71 @@
+// Kernel parameters: the one place where device and host meet.
+//
+// flashmla_cupy/params.py mirrors each struct field by field (ctypes), in the same order; a CPU
+// test parses this file and compares the two, and every MLA program is compiled with the sizes
+// the host computed, checked here. One field per line, no nested declarations, so that the test
+// can read it.
+#pragma once
+#include <cuda/std/cstdint>
+#include "common/tma.cuh"
+
+namespace flashmla {
+
+// Split-KV kernel. Query rows are (MTP token, head-in-group) pairs: row = s * heads_per_kv + h.
+struct SplitKVParams {
+    TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64
+    TensorMap tma_kv;             // KV cache as [num_blocks][64][h_kv][576], box 64 x 64
+    TensorMap tma_o;              // O as [batch][q_rows][h_kv][512], box 64 x 64
+    const int* block_table;       // [batch][block_table_stride]
+    const int* seqlens;           // [batch]
+    const int* sched_meta;        // [num_sm_parts][8]
+    const int* num_splits;        // [batch + 1], prefix sums of splits per request
+    float* lse;                   // [batch][h_q][s_q], natural log
+    float* lse_accum;             // [total_splits][h_kv][q_rows], log2
+    float* o_accum;               // [total_splits][h_kv][q_rows][512]
+    int64_t block_table_stride;
+    int batch;
+    int s_q;
+    int q_rows;                   // s_q * heads_per_kv
+    int heads_per_kv;
+    int h_q;
+    int h_kv;
+    int causal;
+    float scale_log2;             // softmax_scale * log2(e)
+};
+
+// Combine kernel: merges the splits of requests that were split across SM parts.
+struct CombineParams {
+    const int* num_splits;        // [batch + 1]
+    const float* lse_accum;       // [total_splits][h_kv][q_rows]
+    const float* o_accum;         // [total_splits][h_kv][q_rows][512]
+    void* o;                      // [batch][q_rows][h_kv][512], q's dtype
+    float* lse;                   // [batch][h_q][s_q]
+    int batch;
+    int q_rows;
+    int h_kv;
+    int heads_per_kv;
+    int s_q;
+    int h_q;
+    int max_splits;               // upper bound on any request's splits (num_sm_parts)
+};
+
+// Tile-scheduler (metadata) kernel.
+struct MetadataParams {
+    const int* seqlens;           // [batch]
+    int* sched_meta;              // [num_sm_parts][8]
+    int* num_splits;              // [batch + 1]
+    int batch;
+    int block_n;
+    int fixed_overhead_blocks;
+    int num_sm_parts;
+};
+
+#if !defined(FLASHMLA_SPLITKV_PARAMS_BYTES) || !defined(FLASHMLA_COMBINE_PARAMS_BYTES) || \
+    !defined(FLASHMLA_METADATA_PARAMS_BYTES)
+#error "compile through flashmla_cupy (it defines the host-side parameter sizes)"
+#endif
+static_assert(sizeof(SplitKVParams) == FLASHMLA_SPLITKV_PARAMS_BYTES, "SplitKVParams: host and device layouts differ");
+static_assert(sizeof(CombineParams) == FLASHMLA_COMBINE_PARAMS_BYTES, "CombineParams: host and device layouts differ");
+static_assert(sizeof(MetadataParams) == FLASHMLA_METADATA_PARAMS_BYTES, "MetadataParams: host and device layouts differ");
+
+}  // namespace flashmla

@@ -1,0 +1,135 @@
+// Warpgroup GEMMs of the split-KV kernel: S = Q K^T tile by tile as TMA delivers K, and
+// O_half += P V_half with P in registers or in shared memory; plus moving P between the two.
+//
+// All WGMMAs are issued asynchronously: each function commits one or more batches and returns;
+// the caller waits with warpgroup_wait<N>() where the schedule needs the results.
+#pragma once
+#include <cute/tensor.hpp>
+
+#include "common/sync.cuh"
+#include "mla/splitkv_traits.cuh"
+
+namespace flashmla {
+
+using namespace cute;
+
+template <typename T>
+__device__ __forceinline__ auto smem_rows(typename T::Element* base) {       // (64, 576)
+    return make_tensor(make_smem_ptr(base), typename T::SmemLayoutRows{});
+}
+
+template <typename T>
+__device__ __forceinline__ auto smem_tile(typename T::Element* base) {       // (64, 64)
+    return make_tensor(make_smem_ptr(base), typename T::SmemLayoutTile{});
+}
+
+// Columns [256*kHalf, 256*kHalf + 256) of V = the page buffer read as V^T: (256, 64 tokens).
+template <typename T, int kHalf>
+__device__ __forceinline__ auto smem_v_half(typename T::Element* page) {
+    auto v = make_tensor(make_smem_ptr(page), typename T::SmemLayoutV{});
+    return local_tile(v, Shape<Int<kHeadDimV / 2>, Int<kPageBlock>>{}, make_coord(Int<kHalf>{}, _0{}));
+}
+
+// Issue C (+)= A B over all K-blocks of the fragments as one WGMMA batch (arrive ... commit).
+template <typename Mma, typename FragA, typename FragB, typename FragC>
+__device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB const& b, FragC& c,
+                                            bool zero_init) {
+    constexpr bool kRegA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+    if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
+    warpgroup_fence_operand(c);
+    warpgroup_arrive();
+    mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(a); ++k) {
+        cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(c);
+    if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
+}
+
+// S (+)= Q K^T over the page's 64-column tiles kFirst, kFirst+1, ... (kCount of them, wrapping
+// mod 9), each issued as soon as its TMA barrier completes (one batch per tile). Tile 8 of Q is
+// taken from registers (`q_tile8`), because warpgroup 1 reuses that part of sQ for its P.
+// `kFresh`: the first tile overwrites S instead of accumulating.
+template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS>
+__device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::Element* page,
+                                         uint32_t bar_page, uint32_t phase,
+                                         FragQ8 const& q_tile8, FragS& s, int idx_in_wg) {
+    constexpr int kTileElems = 64 * kTileCols;
+    typename T::MmaQK mma;
+    typename T::MmaQKRegQ mma_reg_q;
+    CUTE_UNROLL
+    for (int i = 0; i < kCount; ++i) {
+        const int tile = (kFirst + i) % kTilesK;
+        const uint32_t bar = bar_page + tile * sizeof(uint64_t);
+        if (idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
+        mbarrier_wait(bar, phase);
+        auto k_tile = smem_tile<T>(page + tile * kTileElems);
+        if (tile == kTilesK - 1) {
+            auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(k_tile);
+            wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
+        } else {
+            auto thr = mma.get_slice(idx_in_wg);
+            wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sq + tile * kTileElems)),
+                        thr.partition_fragment_B(k_tile), s, kFresh && i == 0);
+        }
+    }
+}
+
+// S = Q K^T over the whole page at once, after all nine tiles arrived (first page of a request).
+template <typename T, typename FragS>
+__device__ __forceinline__ void qk_full_page(typename T::Element* sq, typename T::Element* page,
+                                             uint32_t bar_page, uint32_t phase, FragS& s,
+                                             int idx_in_wg) {
+    CUTE_UNROLL
+    for (int tile = 0; tile < kTilesK; ++tile) {
+        const uint32_t bar = bar_page + tile * sizeof(uint64_t);
+        if (idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, 64 * kTileCols * sizeof(typename T::Element));
+        mbarrier_wait(bar, phase);
+    }
+    typename T::MmaQK mma;
+    auto thr = mma.get_slice(idx_in_wg);
+    wgmma_batch(mma, thr.partition_fragment_A(smem_rows<T>(sq)),
+                thr.partition_fragment_B(smem_rows<T>(page)), s, true);
+}
+
+// O_half += P V_half with P (64 x 64, this warpgroup's page) in registers.
+template <typename T, int kHalf, typename FragP, typename FragO>
+__device__ __forceinline__ void pv_reg_p(FragP const& p, typename T::Element* page, FragO& o,
+                                         int idx_in_wg) {
+    typename T::MmaPVRegP mma;
+    auto frag_v = mma.get_slice(idx_in_wg).partition_fragment_B(smem_v_half<T, kHalf>(page));
+    wgmma_batch(mma, p, frag_v, o, false);
+}
+
+// O_half += P V_half with P in shared memory (the other warpgroup's page).
+template <typename T, int kHalf, typename FragO>
+__device__ __forceinline__ void pv_smem_p(typename T::Element* sp, typename T::Element* page,
+                                          FragO& o, int idx_in_wg) {
+    typename T::MmaPVSmemP mma;
+    auto thr = mma.get_slice(idx_in_wg);
+    wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sp)),
+                thr.partition_fragment_B(smem_v_half<T, kHalf>(page)), o, false);
+}
+
+// P (accumulator layout, converted to Element) -> shared memory tile, with stmatrix.
+template <typename T, typename FragP>
+__device__ __forceinline__ void store_p(FragP const& p, typename T::Element* sp, int idx_in_wg) {
+    auto copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, typename T::Element>{},
+                                  typename T::MmaQK{});
+    auto thr = copy.get_slice(idx_in_wg);
+    cute::copy(copy, thr.retile_S(p), thr.partition_D(smem_tile<T>(sp)));
+}
+
+// A 64 x 64 shared-memory tile -> registers in the WGMMA A-operand layout, with ldmatrix.
+template <typename T, typename FragA>
+__device__ __forceinline__ void load_a_tile(typename T::Element* tile, FragA& a, int idx_in_wg) {
+    auto copy = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, typename T::Element>{},
+                                  typename T::MmaPVRegP{});
+    auto thr = copy.get_slice(idx_in_wg);
+    cute::copy(copy, thr.partition_S(smem_tile<T>(tile)), thr.retile_D(a));
+}
+
+}  // namespace flashmla

@@ -1,0 +1,333 @@
+// Split-KV MLA decoding kernel ("seesaw" schedule of FlashMLA's 2025-04-22 kernel).
+//
+// Grid: (ceil(q_rows / 64), h_kv, num_sm_parts), 256 threads, one CTA per SM. CTA (m, h, part)
+// handles query rows [64m, 64m + 64) of kv head h for the (request, page range) list that the
+// tile scheduler gave to `part`. Per request the two warpgroups walk the pages in pairs:
+//
+//   page buffers kv[0] (even page) and kv[1] (odd page), each 64 x 576, loaded by TMA as nine
+//   64 x 64 tiles, each with its own mbarrier so that S = Q K^T starts on the first tile;
+//   warpgroup 0: S0 = Q K0^T, softmax, O_L += P0 V0_L, then O_L += P1 V1_L (P1 from smem);
+//   warpgroup 1: S1 = Q K1^T, softmax, O_R += P1 V1_R, then O_R += P0 V0_R (P0 from smem);
+//   the next pair's tiles are requested as soon as the tile they replace has been consumed.
+//
+// splitkv_softmax.cuh explains the shared running max; docs of the schedule: README.md.
+#include <cute/tensor.hpp>
+
+#include "common/pdl.cuh"
+#include "common/sync.cuh"
+#include "common/tma.cuh"
+#include "mla/config.cuh"
+#include "mla/params.cuh"
+#include "mla/splitkv_epilogue.cuh"
+#include "mla/splitkv_gemm.cuh"
+#include "mla/splitkv_softmax.cuh"
+#include "mla/splitkv_traits.cuh"
+
+namespace flashmla {
+
+using namespace cute;
+
+// Rows of a 64-row block that belong to query token s see the first
+// seqlen - (s_q - 1 - s) tokens (causal MTP). Rows past the query count mask nothing.
+__device__ __forceinline__ int causal_mask_len(const SplitKVParams& p, int m_block, int row) {
+    const int q_row = m_block * kBlockM + row;
+    return q_row < p.q_rows ? p.s_q - 1 - q_row / p.heads_per_kv : 0;
+}
+
+template <typename T>
+struct SplitKVCta {
+    using Element = typename T::Element;
+    static constexpr int kTileElems = 64 * kTileCols;
+    static constexpr uint32_t kTileBytes = kTileElems * sizeof(Element);
+
+    const SplitKVParams& p;
+    typename T::SharedStorage& st;
+    const int wg, idx;                      // warpgroup, thread within it
+    const int m_block, kv_head;
+    const uint32_t bar_q, bar_kv0, bar_kv1;
+    // current request
+    const int* block_table = nullptr;
+    int seqlen = 0;
+    int end_page = 0;
+
+    __device__ __forceinline__ SplitKVCta(const SplitKVParams& params, typename T::SharedStorage& storage)
+        : p(params), st(storage), wg(threadIdx.x / 128), idx(threadIdx.x % 128),
+          m_block(blockIdx.x), kv_head(blockIdx.y),
+          bar_q(smem_u32(&storage.bar_q)), bar_kv0(smem_u32(&storage.bar_kv[0][0])),
+          bar_kv1(smem_u32(&storage.bar_kv[1][0])) {}
+
+    __device__ __forceinline__ Element* page_buf(int buf) const { return st.kv[buf]; }
+    __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
+
+    // Issued by one thread: all of Q for `req` (9 tiles) on bar_q.
+    __device__ __forceinline__ void load_q(int req) const {
+        mbarrier_arrive_expect_tx(bar_q, kTilesK * kTileBytes);
+        CUTE_UNROLL
+        for (int t = 0; t < kTilesK; ++t) {
+            tma_load_4d(&p.tma_q, bar_q, smem_u32(st.q + t * kTileElems), t * kTileCols,
+                        m_block * kBlockM, kv_head, req, L2Hint::kEvictFirst);
+        }
+    }
+
+    // Issued by one thread: tiles [kFirst, kLast) of cache page `page_id` into kv[buf]. Whoever
+    // consumes a tile announces its bytes on the tile's barrier (qk_tiles).
+    template <int kFirst, int kLast>
+    __device__ __forceinline__ void load_page_tiles(int buf, int page_id) const {
+        const uint32_t bar = buf ? bar_kv1 : bar_kv0;
+        CUTE_UNROLL
+        for (int t = kFirst; t < kLast; ++t) {
+            tma_load_4d(&p.tma_kv, bar + t * sizeof(uint64_t), smem_u32(page_buf(buf) + t * kTileElems),
+                        t * kTileCols, 0, kv_head, page_id, L2Hint::kEvictFirst);
+        }
+    }
+
+    // Zero the V half `kHalf` of tokens >= `valid` in a page buffer: their cache slots may hold
+    // anything (NaN), and 0 * NaN would leak into O although their P is 0. A swizzled row stays
+    // within its own 128 bytes, so whole rows of each tile are cleared.
+    template <int kHalf>
+    __device__ __forceinline__ void zero_invalid_v_rows(Element* page, int valid) const {
+        valid = max(valid, 0);
+        constexpr int kChunksPerRow = 4 * 8;              // 4 tiles x 8 chunks of 16 bytes
+        for (int i = idx; i < (kPageBlock - valid) * kChunksPerRow; i += 128) {
+            const int row = valid + i / kChunksPerRow;
+            const int tile = kHalf * 4 + (i / 8) % 4;
+            reinterpret_cast<uint4*>(page + tile * kTileElems + row * kTileCols)[i % 8] = make_uint4(0, 0, 0, 0);
+        }
+        fence_smem_for_async_proxy();
+        named_barrier_sync(6 + wg, 128);
+    }
+
+    // Warpgroup 0 on the page pair (page, page + 1). kLast0: `page` is the last page;
+    // kLast1: page + 1 is. On entry s holds S0 = Q K0^T; on exit, that of page + 2.
+    template <bool kLast0, bool kLast1, typename FragS, typename FragO, typename FragQ8>
+    __device__ __forceinline__ void wg0_step(int page, FragS& s, FragO& o, FragQ8 const& q8, RowState& rows,
+                             uint32_t& phase0) const {
+        Element* k0 = page_buf(0);
+        Element* k1 = page_buf(1);
+        const int first_token = page * kPageBlock;
+        Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
+
+        wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, p.scale_log2,
+                                      first_token, idx);
+        named_barrier_arrive(int(WgBarrier::kScale0Ready), 256);
+        if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
+        pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
+        warpgroup_wait<0>();
+
+        named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
+        if constexpr (!kLast0 && !kLast1) {
+            if (idx == 0) load_page_tiles<0, 4>(0, block_table[page + 2]);   // V0_L consumed
+        }
+        wg0_rescale_p(s, pb, st.scale1, idx);
+        store_p<T>(pb, st.p0, idx);
+        fence_smem_for_async_proxy();
+        named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
+
+        if constexpr (!kLast0) {
+            if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
+            named_barrier_sync(int(WgBarrier::kP1Issued), 256);
+            wg0_rescale_o(o, rows, st.scale1, idx);
+            pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
+        }
+        if constexpr (!kLast0 && !kLast1) {
+            // S0 of page + 2: its tiles 0-3 were requested first, so start with them.
+            qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
+            if (page + 3 < end_page) {
+                warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
+                if (idx == 0) load_page_tiles<0, 4>(1, block_table[page + 3]);
+            }
+            qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
+            phase0 ^= 1;
+        }
+        warpgroup_wait<0>();
+    }
+
+    // Warpgroup 1 on the page pair (page, page + 1); kLast2: page + 2 is the last page.
+    // On entry s holds S1 = Q K1^T (unless kLast0); on exit, that of page + 3.
+    template <bool kLast0, bool kLast1, bool kLast2, typename FragS, typename FragO, typename FragQ8>
+    __device__ __forceinline__ void wg1_step(int page, FragS& s, FragO& o, FragQ8 const& q8, RowState& rows,
+                             uint32_t& phase1) const {
+        Element* k0 = page_buf(0);
+        Element* k1 = page_buf(1);
+        const int first_token = (page + 1) * kPageBlock;
+        Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
+
+        named_barrier_sync(int(WgBarrier::kScale0Ready), 256);
+        wg1_softmax<kLast0, kLast1 || kLast2>(s, pb, o, rows, st.row_max, st.scale0, st.scale1,
+                                              p.scale_log2, first_token, idx);
+        named_barrier_arrive(int(WgBarrier::kScale1Ready), 256);
+
+        if constexpr (!kLast0) {
+            store_p<T>(pb, p1_buf(), idx);
+            if constexpr (kLast1) zero_invalid_v_rows<1>(k1, seqlen - first_token);
+            pv_reg_p<T, 1>(pb, k1, o, idx);                      // O_R += P1 V1_R
+            fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
+        }
+        named_barrier_sync(int(WgBarrier::kP0Ready), 256);
+        if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kPageBlock);
+        pv_smem_p<T, 1>(st.p0, k0, o, idx);                       // O_R += P0 V0_R
+        if constexpr (!kLast0) named_barrier_arrive(int(WgBarrier::kP1Issued), 256);
+
+        if constexpr (!kLast0 && !kLast1 && !kLast2) {
+            warpgroup_wait<1>();                                  // P1 V1_R done: V1_R free
+            if (idx == 0) load_page_tiles<4, kTilesK>(1, block_table[page + 3]);
+        }
+        if constexpr (!kLast0 && !kLast1) {
+            warpgroup_wait<0>();                                  // P0 V0_R done: V0_R free
+            if (idx == 0) load_page_tiles<4, kTilesK>(0, block_table[page + 2]);
+        }
+        if constexpr (!kLast0 && !kLast1 && !kLast2) {
+            qk_tiles<T, 4, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
+            phase1 ^= 1;
+        }
+        // Kept outside the branches above: a wait inside them makes ptxas serialize the WGMMAs.
+        warpgroup_wait<0>();
+    }
+
+    // Pages [first_page, end_page) of the current request; O and the row sums accumulate.
+    template <typename FragO>
+    __device__ __forceinline__ void mainloop(int first_page, FragO& o, RowState& rows, uint32_t& phase0,
+                             uint32_t& phase1) const {
+        Tensor q8 = make_tensor<Element>(typename T::LayoutFragA{});
+        load_a_tile<T>(p1_buf(), q8, idx);
+        Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kPageBlock>>{});
+        int page = first_page;
+        if (wg == 0) {
+            qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
+            phase0 ^= 1;
+            named_barrier_sync(int(WgBarrier::kRowMaxInit), 128);
+            warpgroup_wait<0>();
+            #pragma unroll 1
+            for (; page < end_page - 2; page += 2) wg0_step<false, false>(page, s, o, q8, rows, phase0);
+            if (page + 1 < end_page) {
+                wg0_step<false, true>(page, s, o, q8, rows, phase0);
+            } else if (page < end_page) {
+                wg0_step<true, false>(page, s, o, q8, rows, phase0);
+            }
+        } else {
+            if (page + 1 < end_page) {
+                qk_tiles<T, 4, kTilesK, true>(st.q, page_buf(1), bar_kv1, phase1, q8, s, idx);
+                phase1 ^= 1;
+                warpgroup_wait<0>();
+            }
+            #pragma unroll 1
+            for (; page < end_page - 3; page += 2) wg1_step<false, false, false>(page, s, o, q8, rows, phase1);
+            if (page + 2 < end_page) {
+                wg1_step<false, false, true>(page, s, o, q8, rows, phase1);
+                wg1_step<true, false, false>(page + 2, s, o, q8, rows, phase1);
+            } else if (page + 1 < end_page) {
+                wg1_step<false, true, false>(page, s, o, q8, rows, phase1);
+            } else if (page < end_page) {
+                wg1_step<true, false, false>(page, s, o, q8, rows, phase1);
+            }
+        }
+    }
+};
+
+template <typename Element>
+__global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
+    using T = SplitKVTraits<Element>;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);
+    SplitKVCta<T> cta(p, st);
+
+    if (threadIdx.x == 0) {
+        tma_prefetch_descriptor(&p.tma_q);
+        tma_prefetch_descriptor(&p.tma_kv);
+        tma_prefetch_descriptor(&p.tma_o);
+        mbarrier_init(cta.bar_q, 1);
+        for (int t = 0; t < kTilesK; ++t) {
+            mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), 1);
+            mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), 1);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    // Everything below reads what earlier kernels wrote (scheduler metadata, inputs).
+    pdl_wait_for_producers();
+    const int* meta = p.sched_meta + blockIdx.z * kSchedMetaInts;
+    const int4 range = *reinterpret_cast<const int4*>(meta);
+    const int begin_req = range.x, begin_token = range.y, end_req = range.z, end_token = range.w;
+    if (begin_req >= p.batch) return;
+    const int begin_split = meta[4];
+
+    uint32_t phase_q = 0, phase0 = 0, phase1 = 0;
+    if (threadIdx.x == 0) cta.load_q(begin_req);
+
+    #pragma unroll 1
+    for (int req = begin_req; req <= end_req; ++req) {
+        const int seqlen = p.seqlens[req];
+        const int seq_pages = (seqlen + kPageBlock - 1) / kPageBlock;
+        const int first_page = req == begin_req ? begin_token / kPageBlock : 0;
+        int end_page = req == end_req ? (end_token + kPageBlock - 1) / kPageBlock : seq_pages;
+        const bool whole_request = first_page == 0 && end_page == seq_pages;
+
+        RowState rows;
+        rows.sum[0] = rows.sum[1] = 0.0f;
+        if (p.causal) {
+            // The last row has the shortest mask; pages past its limit are skipped and rows with
+            // longer masks are cut by right_border (rows of one block differ by < 64 tokens, so
+            // only the last two pages need masking).
+            const int common_mask = causal_mask_len(p, cta.m_block, kBlockM - 1);
+            const int visible_end = req == end_req ? min(end_token, seqlen - common_mask) : seqlen - common_mask;
+            end_page = (visible_end + kPageBlock - 1) / kPageBlock;
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half) {
+                const int row = fragment_row(half, cta.idx);
+                rows.right_border[half] = min(seqlen - causal_mask_len(p, cta.m_block, row), end_page * kPageBlock);
+            }
+        } else {
+            rows.right_border[0] = rows.right_border[1] = seqlen;
+        }
+        cta.block_table = p.block_table + req * p.block_table_stride;
+        cta.seqlen = seqlen;
+        cta.end_page = end_page;
+
+        if (threadIdx.x == 0 && first_page < end_page) {
+            cta.template load_page_tiles<0, kTilesK>(0, cta.block_table[first_page]);
+            if (first_page + 1 < end_page) {
+                // warpgroup 1 consumes tiles 4-8 first
+                const int next = cta.block_table[first_page + 1];
+                cta.template load_page_tiles<4, kTilesK>(1, next);
+                cta.template load_page_tiles<0, 4>(1, next);
+            }
+        }
+        Tensor o = partition_fragment_C(typename T::MmaPVRegP{}, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});
+        clear(o);
+        if (threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
+
+        mbarrier_wait(cta.bar_q, phase_q);
+        phase_q ^= 1;
+        if (first_page < end_page) cta.mainloop(first_page, o, rows, phase0, phase1);
+
+        float sums[2];
+        reduce_row_sums<T>(rows, st, cta.wg, cta.idx, sums);   // all warps are past the mainloop
+        if (req < end_req) {
+            if (threadIdx.x == 0) cta.load_q(req + 1);          // sQ is free again
+        } else {
+            pdl_allow_dependents();                             // the combine kernel may start
+        }
+        // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
+        float inv_sum[2];
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            inv_sum[half] = (sums[half] == 0.0f || sums[half] != sums[half]) ? 1.0f : 1.0f / sums[half];
+        }
+        OutputTarget out;
+        out.batch_idx = req;
+        out.kv_head = cta.kv_head;
+        out.m_block = cta.m_block;
+        out.num_rows = min(p.q_rows - cta.m_block * kBlockM, kBlockM);
+        out.split_idx = whole_request ? -1 : p.num_splits[req] + (req == begin_req ? begin_split : 0);
+        if (whole_request) {
+            store_o_final<T>(p, st, o, inv_sum, out, cta.wg, cta.idx);
+        } else {
+            store_o_split<T>(p, st, o, inv_sum, out, cta.wg, cta.idx);
+        }
+        store_lse<T>(p, st, out);
+        if (req != end_req) __syncthreads();                    // staging and row_max reused
+    }
+}
+
+}  // namespace flashmla

@@ -1,0 +1,85 @@
+// Types of the split-KV kernel: WGMMA shapes, shared-memory layouts and the shared-memory plan.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "mla/config.cuh"
+
+namespace flashmla {
+
+using namespace cute;
+
+template <typename Element_>
+struct SplitKVTraits {
+    using Element = Element_;
+    static_assert(cuda::std::is_same_v<Element, cutlass::bfloat16_t> ||
+                  cuda::std::is_same_v<Element, cutlass::half_t>, "bf16 or fp16");
+
+    static constexpr int kThreads = 256;   // two warpgroups, each owning half of O's columns
+
+    using BlockM = Int<kBlockM>;
+    using Page = Int<kPageBlock>;
+    using DimK = Int<kHeadDimK>;
+    using HalfV = Int<kHeadDimV / 2>;
+
+    // S = Q K^T for one page: 64 x 64, K = 576. Q from shared memory, or (its last 64 columns)
+    // from registers: that tile of sQ is reused as the buffer of warpgroup 1's P.
+    using MmaQK = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
+                             GMMA::Major::K, GMMA::Major::K>()));
+    using MmaQKRegQ = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
+                             GMMA::Major::K, GMMA::Major::K>()));
+    // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
+    // memory (the other warpgroup's page); V is the cache tile read MN-major.
+    using MmaPVRegP = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<BlockM, HalfV, Page>,
+                             GMMA::Major::K, GMMA::Major::MN>()));
+    using MmaPVSmemP = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, HalfV, Page>,
+                             GMMA::Major::K, GMMA::Major::MN>()));
+
+    // A 64 x 64 tile with 128-byte swizzle: exactly what one TMA box writes.
+    using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                  Shape<Int<64>, Int<kTileCols>>{}));
+    // 64 rows x 576 columns = 9 such tiles back to back (Q, and each K page).
+    using SmemLayoutRows = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                  Shape<Int<64>, DimK>{}));
+    // The same page seen as V^T: (512 columns, 64 tokens).
+    using SmemLayoutV = decltype(composition(
+        SmemLayoutRows{}, make_layout(Shape<Int<kHeadDimV>, Page>{}, GenRowMajor{})));
+
+    // Register fragments: S/P as accumulator (64 x 64), O half (64 x 256), and P or Q's last
+    // tile as a 64 x 64 A operand in registers.
+    using FragS = decltype(partition_fragment_C(MmaQK{}, Shape<BlockM, Page>{}));
+    using FragO = decltype(partition_fragment_C(MmaPVRegP{}, Shape<BlockM, HalfV>{}));
+    using LayoutFragA = Layout<Shape<Shape<_2, _2, _2>, _1, _4>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+    struct alignas(1024) SharedStorage {
+        // 128-byte-swizzled buffers must start on 1024-byte boundaries.
+        alignas(1024) Element q[cosize_v<SmemLayoutRows>];       // tile 8 doubles as P1
+        alignas(1024) Element kv[2][cosize_v<SmemLayoutRows>];   // page 2i in kv[0], 2i+1 in kv[1]
+        alignas(1024) Element p0[cosize_v<SmemLayoutTile>];      // warpgroup 0's P, for warpgroup 1
+        float row_max[kBlockM];          // running max (log2 domain), shared by both warpgroups
+        float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step
+        float scale1[kBlockM];           // ... by warpgroup 1
+        float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
+        uint64_t bar_kv[2][kTilesK];     // one TMA barrier per 64-column tile of each page buffer
+        uint64_t bar_q;
+    };
+    static constexpr int kSmemBytes = sizeof(SharedStorage);
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
+    // Epilogue staging reuses the two page buffers.
+    static_assert(kBlockM * (kHeadDimV + 8) * sizeof(float) <= sizeof(SharedStorage::kv), "fp32 O staging");
+};
+
+// Named barriers between the two warpgroups (0 is __syncthreads).
+enum class WgBarrier : int {
+    kScale0Ready = 1,     // warpgroup 0 published row_max / scale0 for this page pair
+    kScale1Ready = 2,     // warpgroup 1 published scale1
+    kP0Ready = 3,         // warpgroup 0 stored its rescaled P into p0
+    kP1Issued = 4,        // warpgroup 1 stored P1 and issued its WGMMAs reading p0
+    kRowMaxInit = 5,      // row_max initialized (warpgroup 0 only)
+};
+
+}  // namespace flashmla

@@ -1,0 +1,47 @@
+"""Shared test setup: GPU tests skip, with the reason, where no suitable GPU is present.
+
+Markers: ``gpu`` (any CUDA GPU), ``hopper`` (an sm_90 GPU: the MLA kernels), ``slow`` (long
+checks, run with ``-m slow`` or ``--run-slow``).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_skip_reason() -> str | None:
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, no libcuda, CUDA error ...
+        return f"no CUDA GPU here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unavailable'})"
+    return None if count > 0 else "no CUDA GPU here (0 devices)"
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_skip_reason() -> str | None:
+    reason = gpu_skip_reason()
+    if reason:
+        return reason
+    from flashmla_cupy.launch import device_properties
+    props = device_properties(0)
+    if props["major"] != 9:
+        return f"needs a Hopper (sm_90) GPU; device 0 is {props['name']} (sm_{props['major']}{props['minor']})"
+    return None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow") or "slow" in (config.getoption("-m") or "")
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: run with --run-slow"))
+        elif "hopper" in item.keywords and hopper_skip_reason():
+            item.add_marker(pytest.mark.skip(reason=hopper_skip_reason()))
+        elif "gpu" in item.keywords and gpu_skip_reason():
+            item.add_marker(pytest.mark.skip(reason=gpu_skip_reason()))
