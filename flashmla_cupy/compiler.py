@@ -62,20 +62,18 @@ def source_dir() -> Path:
     raise FileNotFoundError(f"cuda_src/ not found next to {here}")
 
 
-def _package_dir(name: str) -> Path | None:
-    """Directory of a top-level package, located without importing it."""
+def _package_dirs(name: str) -> list[Path]:
+    """Directories of a top-level (possibly namespace) package, located without importing it."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
 
 
 def cutlass_include_dir() -> Path:
     env = os.environ.get("FLASHMLA_CUPY_CUTLASS_INCLUDE")
     candidates = [Path(env)] if env else []
-    pkg = _package_dir("cutlass_library")
-    if pkg is not None:
-        candidates.append(pkg / "source" / "include")
+    candidates += [d / "source" / "include" for d in _package_dirs("cutlass_library")]
     for c in candidates:
         if (c / "cute" / "tensor.hpp").is_file():
             return c
@@ -86,8 +84,7 @@ def cutlass_include_dir() -> Path:
 
 
 def cccl_include_dir() -> Path:
-    pkg = _package_dir("cupy")
-    if pkg is not None:
+    for pkg in _package_dirs("cupy"):
         d = pkg / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx"
         if d.is_dir():
             return d
@@ -97,8 +94,7 @@ def cccl_include_dir() -> Path:
 def cuda_runtime_include_dir() -> Path:
     """``cuda_runtime_api.h``: the nvidia-cuda-runtime wheel (CUDA 12 or 13 layout) or a toolkit."""
     candidates = []
-    nvidia = _package_dir("nvidia")
-    if nvidia is not None:
+    for nvidia in _package_dirs("nvidia"):
         candidates += [nvidia / "cuda_runtime" / "include", nvidia / "cu13" / "include"]
     for var in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(var):

@@ -6,7 +6,6 @@
 // Output per part: [begin_req, begin_token, end_req, end_token, begin_split, 0, 0, 0]; and
 // num_splits[i] = number of splits of requests < i (prefix sums, num_splits[0] = 0).
 // flashmla_cupy/scheduler.py is the same algorithm in Python; the tests compare the two.
-#include "common/pdl.cuh"
 #include "mla/config.cuh"
 #include "mla/params.cuh"
 

@@ -67,8 +67,11 @@ struct SplitKVTraits {
         uint64_t bar_kv[2][kTilesK];     // one TMA barrier per 64-column tile of each page buffer
         uint64_t bar_q;
     };
-    static constexpr int kSmemBytes = sizeof(SharedStorage);
-    static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
+    static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
+#ifndef FLASHMLA_SPLITKV_SMEM_BYTES
+#error "compile through flashmla_cupy (it defines the host-side shared-memory size)"
+#endif
+    static_assert(sizeof(SharedStorage) == FLASHMLA_SPLITKV_SMEM_BYTES, "host and device shared-memory sizes differ");
     // Epilogue staging reuses the two page buffers.
     static_assert(kBlockM * (kHeadDimV + 8) * sizeof(float) <= sizeof(SharedStorage::kv), "fp32 O staging");
 };

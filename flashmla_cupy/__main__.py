@@ -1,0 +1,4 @@
+"""``python -m flashmla_cupy``: the ``flashmla-cupy`` command line."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,429 @@
+"""The ``flashmla-cupy`` command line (also ``python -m flashmla_cupy``).
+
+    flashmla-cupy [profile] [mla]      the seed's MLA grid against the measured roofs (default)
+    flashmla-cupy profile attention    flash_attn_minimal vs manual attention (seed 000), N sweep
+    flashmla-cupy compile              build or verify every kernel's cubin; ptxas report
+    flashmla-cupy info                 device, versions, compile cache
+
+This module only parses arguments and wires the pieces in ``flashmla_cupy.profiler`` together.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = ("profile", "compile", "info")
+EPILOG = """\
+examples:
+  flashmla-cupy                              full seed grid (b 128; s_k 4096/8192/16384; h_q 16-128; s_q 1, 2; varlen off/on)
+  flashmla-cupy profile --quick --check      four shapes, with the error against a float64 reference
+  flashmla-cupy profile --heads 128 --s-q 1 --varlen off --baseline cupy --csv out.csv --plot out.png
+  flashmla-cupy profile attention            the minimal FlashAttention kernel against manual attention
+  flashmla-cupy compile --arch sm_90a        build every kernel without a GPU
+"""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    v = _int_list(text)
+    if len(v) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return v[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .profiler.env import package_version
+
+    p = argparse.ArgumentParser(
+        prog="flashmla-cupy",
+        description="FlashMLA decoding attention on CuPy: profiler, ahead-of-time compiler, environment report.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"flashmla-cupy {package_version()}")
+    sub = p.add_subparsers(dest="command", metavar="{profile,compile,info}")
+
+    # ---- profile -------------------------------------------------------------------------
+    pr = sub.add_parser(
+        "profile", help="time the kernels against the measured hardware ceilings (default)",
+        description="Time each shape (CUDA events, L2 flushed, warm-up first) and compare with the copy-"
+                    "bandwidth and matmul ceilings measured in the same run.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pr.add_argument("what", nargs="?", choices=("mla", "attention"), default="mla",
+                    help="mla: paged MLA decoding, the seed's grid (default); "
+                         "attention: flash_attn_minimal vs manual attention (seed 000)")
+    g = pr.add_argument_group("shapes")
+    g.add_argument("--quick", action="store_true",
+                   help="a few shapes (seconds, not minutes): 4 of the MLA grid, or N 64 and 1024 for attention")
+    g.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="MLA dtype (default bf16)")
+    g.add_argument("--batch", type=_int_list, metavar="B[,B...]",
+                   help="batch sizes (default: 128; attention: 16)")
+    g.add_argument("--seqlens", type=_int_list, metavar="S[,S...]",
+                   help="mean cache lengths (default 4096,8192,16384); attention: N (default 64,...,4096)")
+    g.add_argument("--heads", type=_int_list, metavar="H[,H...]",
+                   help="query heads (default 16,32,64,128; attention: 12)")
+    g.add_argument("--s-q", dest="s_q", type=_int_list, metavar="S[,S...]",
+                   help="query tokens per request (default 1,2)")
+    g.add_argument("--h-kv", dest="h_kv", type=_positive_int, default=1, help="KV heads (default 1)")
+    g.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=64,
+                   help="attention head dim (default 64)")
+    g.add_argument("--varlen", choices=("on", "off", "both"), default="both",
+                   help="cache lengths drawn from normal(mean, mean/2) (on), all equal (off), or both (default)")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal mask (default: on for MLA as in the seed, off for attention)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the cache-length draws and the data (default 0, the seed test's)")
+    t = pr.add_argument_group("timing")
+    t.add_argument("--repeats", type=_positive_int, default=100, help="timed runs per target (default 100)")
+    t.add_argument("--warmup", type=_positive_int, default=10, help="warm-up calls per target (default 10)")
+    t.add_argument("--budget", type=float, default=3.0, metavar="SECONDS",
+                   help="fewer runs (at least 10) when a target would take longer than this (default 3)")
+    t.add_argument("--graph", action="store_true",
+                   help="time replays of a CUDA graph captured from one call (no Python launch overhead)")
+    t.add_argument("--no-flush", dest="flush", action="store_false",
+                   help="do not flush the L2 between runs (measures a warm cache)")
+    t.add_argument("--no-ceilings", dest="ceilings", action="store_false",
+                   help="skip measuring the copy and matmul ceilings")
+    t.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
+    o = pr.add_argument_group("comparison and output")
+    o.add_argument("--baseline", choices=("cupy", "none"), default="none",
+                   help="MLA: also time the plain CuPy implementation (flashmla_cupy.baselines) and show "
+                        "the speed-up; attention always compares with manual attention")
+    o.add_argument("--check", action="store_true",
+                   help="error against the float64 reference (cos_diff, max |error|) for every target")
+    o.add_argument("--csv", metavar="PATH", help="write every number (seed columns name,batch,seqlen,head,bw first)")
+    o.add_argument("--json", metavar="PATH", help="write every number with the environment and ceilings")
+    o.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s and TFLOP/s per target (needs matplotlib)")
+    pr.set_defaults(func=cmd_profile)
+
+    # ---- compile -------------------------------------------------------------------------
+    co = sub.add_parser("compile", help="build (or verify cached) cubins for every kernel; ptxas report",
+                        description="Compile every kernel program with NVRTC into the cubin cache (no GPU "
+                                    "needed), showing registers, stack and spills per kernel.")
+    co.add_argument("--arch", help="target, e.g. sm_90a (default: the GPU's, or sm_90a without a GPU)")
+    co.add_argument("--jobs", type=_positive_int, help="parallel compiler processes (default: one per program, "
+                                                     "at most the CPU count)")
+    co.add_argument("--only", action="append", metavar="NAME",
+                    help="only programs whose name contains NAME (repeatable), e.g. --only combine")
+    co.add_argument("--list", action="store_true", help="list the programs and exit without building")
+    co.add_argument("--json", metavar="PATH", help="write the per-kernel report as JSON")
+    co.set_defaults(func=cmd_compile)
+
+    # ---- info ----------------------------------------------------------------------------
+    inf = sub.add_parser("info", help="device, versions, compile cache",
+                         description="Report the device (or its absence), the versions of everything "
+                                     "involved and the compile cache.")
+    inf.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inf.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["profile", *argv]
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+# --------------------------------------------------------------------------------------------
+# profile
+# --------------------------------------------------------------------------------------------
+
+def _fail(command: str, message: str) -> SystemExit:
+    return SystemExit(f"flashmla-cupy {command}: {message}")
+
+
+def _mla_shapes(args):
+    from .profiler import shapes as shp
+
+    causal = True if args.causal is None else args.causal
+    if args.quick:
+        return shp.quick_grid(h_kv=args.h_kv, causal=causal, dtype=args.dtype, seed=args.seed)
+    varlens = {"on": (True,), "off": (False,), "both": (False, True)}[args.varlen]
+    return shp.mla_grid(args.batch or shp.SEED_BATCHES, args.seqlens or shp.SEED_SEQLENS,
+                        args.heads or shp.SEED_HEADS, args.s_q or shp.SEED_S_Q, varlens,
+                        h_kv=args.h_kv, causal=causal, dtype=args.dtype, seed=args.seed)
+
+
+def _attention_shapes(args):
+    from .profiler import shapes as shp
+
+    b, h, _, d = shp.ATTENTION_SEED_SHAPE
+    ns = (64, 1024) if args.quick else (args.seqlens or shp.ATTENTION_SWEEP_N)
+    shapes = []
+    for batch in (args.batch or [b]):
+        for heads in (args.heads or [h]):
+            shapes += shp.attention_grid(batch, heads, args.head_dim, ns, causal=bool(args.causal))
+    return shapes
+
+
+def cmd_profile(args) -> int:
+    from rich.console import Console
+
+    from .profiler import report, runner, targets
+    from .profiler.env import NoGPU, environment
+
+    kind = args.what
+    if args.plot and report.matplotlib_status():
+        raise _fail("profile", report.matplotlib_status())
+    try:
+        shape_list = _mla_shapes(args) if kind == "mla" else _attention_shapes(args)
+    except ValueError as e:
+        raise _fail("profile", str(e)) from None
+    if kind == "mla":
+        main_t = targets.MAIN_MLA_TARGET
+        baseline = None if args.baseline == "none" else args.baseline
+    else:
+        main_t, baseline = targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
+    names = [main_t] + ([baseline] if baseline else [])
+    config = runner.RunConfig(targets=names, baseline=baseline, repeats=args.repeats, warmup=args.warmup,
+                              budget_s=args.budget, graph=args.graph, flush_l2=args.flush, check=args.check,
+                              seed=args.seed, device=args.device, measure_ceilings=args.ceilings)
+    try:
+        gpu = runner.require_device(config, need_hopper=(kind == "mla"))
+    except NoGPU as e:
+        raise _fail("profile", f"{e}. `flashmla-cupy info` shows the environment; "
+                               "`flashmla-cupy compile --arch sm_90a` builds the kernels without a GPU.") from None
+
+    out = Console()
+    err = Console(stderr=True)
+    env = environment(args.device)
+    report.print_header(out, report.header_lines(env, runner.method_description(
+        config, _FlushInfo(gpu) if args.flush else None, kind), kind=kind, seed=args.seed))
+    try:
+        from .profiler.build import prebuild
+        prebuild(kind, err, arch=gpu["arch"], dtype_tag=args.dtype if kind == "mla" else None)
+    except Exception as e:  # noqa: BLE001 - the run reports per-target failures itself
+        err.print(f"[yellow]kernel prebuild failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}[/]")
+
+    result = _run_with_progress(kind, shape_list, config, gpu, err)
+
+    out.print()
+    for line in report.describe_ceilings(result.ceilings):
+        out.print(f"[bold cyan]Ceiling[/] {line}", highlight=False)
+    title = (f"MLA decoding, {shape_list[0].dtype}, {'causal' if shape_list[0].causal else 'non-causal'}, "
+             f"h_kv {shape_list[0].h_kv}" if kind == "mla" else "attention, float32")
+    others = [n for n in names if n != main_t]
+    table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others,
+                                         check=args.check, title=title)
+    out.print(table)
+    for e in errors:
+        out.print(f"[red]error[/] {e}", highlight=False)
+    for n, why in result.skipped_targets.items():
+        out.print(f"[yellow]skipped[/] {n}: {why}", highlight=False)
+    if result.interrupted:
+        out.print("[yellow]interrupted: the table holds the shapes measured so far[/]")
+    _export(args, kind, result, env, config, out)
+
+    main_rows = [r for r in result.records if r["name"] == main_t]
+    failed = any(r.get("error") for r in main_rows) or any(r.get("check_ok") is False for r in main_rows)
+    return 1 if (failed or result.interrupted or main_t in result.skipped_targets) else 0
+
+
+class _FlushInfo:
+    """Stands in for an ``L2Flush`` in the header printed before the buffer exists."""
+
+    def __init__(self, gpu: dict):
+        from .profiler.timing import MIN_FLUSH_BYTES
+        self.nbytes = max(2 * gpu.get("l2_bytes", 0), MIN_FLUSH_BYTES)
+
+    def describe(self) -> str:
+        return f"L2 flushed before every run (memset of {self.nbytes / 2**20:.0f} MiB)"
+
+
+def _run_with_progress(kind, shape_list, config, gpu, err):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    from .profiler import runner
+
+    work = runner.mla_workload() if kind == "mla" else runner.attention_workload()
+    total = len(shape_list) * len(config.targets)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as progress:
+        task = progress.add_task("starting", total=total)
+
+        def on_record(rec):
+            progress.advance(task)
+            if rec.get("ms_median") is not None:
+                progress.console.print(
+                    f"  {rec['name']:<18} {_shape_text(kind, rec):<36} {rec['ms_median']:.3f} ms  "
+                    f"{rec['gbps']:.0f} GB/s  {rec['tflops']:.0f} TFLOP/s", highlight=False)
+
+        return runner.run(work, shape_list, config, gpu=gpu,
+                          on_progress=lambda msg: progress.update(task, description=msg),
+                          on_record=on_record,
+                          on_note=lambda msg: progress.console.print(f"[yellow]{msg}[/]", highlight=False))
+
+
+def _shape_text(kind: str, r: dict) -> str:
+    if kind == "mla":
+        return (f"b={r['batch']} s_k={r['mean_seqlen']}{'~' if r.get('varlen') else ''} "
+                f"h_q={r['h_q']} s_q={r['s_q']}")
+    return f"B={r['batch']} H={r['heads']} N={r['seqlen']} d={r['head_dim']}"
+
+
+def _export(args, kind, result, env, config, out) -> None:
+    from .profiler import report
+
+    if args.csv:
+        path = report.write_csv(args.csv, result.records, result.ceilings)
+        out.print(f"wrote {path}")
+    if args.json:
+        payload = report.json_payload(kind=kind, records=result.records, ceilings=result.ceilings,
+                                      method=result.method, environment=env,
+                                      config={**config.as_dict(), "seed_grid_seed": args.seed},
+                                      interrupted=result.interrupted)
+        path = report.write_json(args.json, payload)
+        out.print(f"wrote {path}")
+    if args.plot:
+        title = f"flashmla-cupy {kind} on {env.get('gpu', {}).get('name', '?')}"
+        path = report.plot(args.plot, result.records, result.ceilings, kind=kind, title=title)
+        out.print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------------------------
+# compile
+# --------------------------------------------------------------------------------------------
+
+def cmd_compile(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import compiler
+    from .profiler import build
+
+    out = Console()
+    err = Console(stderr=True)
+    if args.arch:
+        arch, source = args.arch, "--arch"
+    else:
+        arch, source = build.default_arch()
+    found = build.collect_programs()
+    for note in found.notes:
+        err.print(f"[yellow]{note}[/]", highlight=False)
+    programs = build.filter_programs(found.programs, args.only)
+    if args.list:
+        t = Table(title=f"kernel programs ({arch}, {source})", header_style="bold")
+        for c in ("program", "source", "kernels", "cached"):
+            t.add_column(c)
+        for p in programs:
+            t.add_row(p.name, p.source, "\n".join(p.kernels),
+                      "yes" if compiler.entry_path(p, arch).is_file() else "no")
+        out.print(t)
+        return 0
+    if not programs:
+        raise _fail("compile", "no kernel programs to build" + (f" matching {args.only}" if args.only else ""))
+    out.print(f"building {len(programs)} program(s) for [bold]{arch}[/] ({source}); cache: {compiler.cache_dir()}",
+              highlight=False)
+    try:
+        cubins, wall = build.build_with_progress(programs, arch, args.jobs, err)
+    except compiler.CompileError as e:
+        lines = str(e).splitlines()
+        err.print("\n".join(lines[:60]) + ("\n..." if len(lines) > 60 else ""), highlight=False, markup=False)
+        raise _fail("compile", lines[0] if lines else "NVRTC failed") from None
+    out.print(build.resources_table(cubins, arch))
+    hits = sum(c.from_cache for c in cubins)
+    out.print(f"{len(cubins)} program(s): {hits} cache hit(s), {len(cubins) - hits} compiled; {wall:.1f} s wall",
+              highlight=False)
+    if args.json:
+        import json
+        from pathlib import Path
+        Path(args.json).write_text(json.dumps({"arch": arch, "cache_dir": str(compiler.cache_dir()),
+                                               "kernels": build.records(cubins)}, indent=2) + "\n")
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------------------------
+
+def info_data() -> dict:
+    from . import compiler
+    from .profiler.env import NoGPU, bf16_status, device_info, gpu_count, pdl_state, versions
+
+    data: dict = {"versions": versions()}
+    try:
+        n = gpu_count()
+        data["gpus"] = [device_info(i) for i in range(n)]
+    except NoGPU as e:
+        data["gpus"] = []
+        data["no_gpu"] = str(e)
+    why = bf16_status()
+    data["bfloat16"] = "available (ml_dtypes.bfloat16)" if why is None else f"unavailable: {why}"
+    data["pdl"] = pdl_state()
+    entries = []
+    try:
+        for path, header, size in compiler.cache_entries():
+            entries.append({"file": path.name, "size": size,
+                            "program": header.get("program") if header else None,
+                            "arch": header.get("arch") if header else None,
+                            "created": header.get("created") if header else None,
+                            "compile_seconds": header.get("compile_seconds") if header else None,
+                            "valid": header is not None})
+        cache = str(compiler.cache_dir())
+    except Exception as e:  # noqa: BLE001
+        cache = f"unavailable ({type(e).__name__}: {e})"
+    data["cache"] = {"dir": cache, "entries": entries, "total_bytes": sum(e["size"] for e in entries)}
+    return data
+
+
+def cmd_info(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    data = info_data()
+    out = Console()
+    if args.json:
+        import json
+        out.print_json(json.dumps(data, default=str))
+        return 0
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold cyan", no_wrap=True)
+    t.add_column(overflow="fold")
+    if data["gpus"]:
+        for g in data["gpus"]:
+            clocks = f" · SM {g['sm_clock_max_mhz']} MHz max" if g.get("sm_clock_max_mhz") else ""
+            t.add_row(f"GPU {g['id']}", f"{g['name']} · {g['arch']} · {g['sm_count']} SMs · "
+                                        f"{g['memory_bytes'] / 2**30:.0f} GiB · L2 {g['l2_bytes'] / 2**20:.0f} MiB{clocks}")
+    else:
+        t.add_row("GPU", escape(f"no GPU — {data.get('no_gpu', '')}"))
+    labels = {"flashmla-cupy": "flashmla-cupy", "python": "Python", "cupy": "CuPy", "nvrtc": "NVRTC",
+              "cuda_driver": "CUDA driver API", "nvidia_driver": "NVIDIA driver", "cuda_runtime": "CUDA runtime",
+              "cuda-bindings": "cuda-bindings", "cutlass": "CUTLASS headers", "cutlass_include": "CUTLASS include",
+              "numpy": "NumPy", "ml_dtypes": "ml_dtypes", "rich": "rich", "matplotlib": "matplotlib (plots)",
+              "cublas": "cuBLAS (ceilings, baseline)", "platform": "platform"}
+    for key, label in labels.items():
+        v = data["versions"].get(key)
+        t.add_row(label, "not installed" if v is None else escape(str(v)))
+    t.add_row("bfloat16", escape(data["bfloat16"]))
+    t.add_row("PDL", escape(data["pdl"]))
+    c = data["cache"]
+    t.add_row("compile cache", f"{c['dir']} — {len(c['entries'])} entr{'y' if len(c['entries']) == 1 else 'ies'}, "
+                               f"{c['total_bytes'] / 2**20:.1f} MiB")
+    out.print(t)
+    if c["entries"]:
+        ct = Table(header_style="bold")
+        for col, kw in (("program", {"no_wrap": True}), ("arch", {}), ("KiB", {"justify": "right"}),
+                        ("cold compile s", {"justify": "right"}), ("created", {})):
+            ct.add_column(col, **kw)
+        for e in c["entries"]:
+            ct.add_row(escape(str(e["program"])) if e["valid"] else f"[red]unreadable: {escape(e['file'])}[/]",
+                       str(e["arch"] or ""), f"{e['size'] / 1024:.0f}",
+                       f"{e['compile_seconds']:.1f}" if e["compile_seconds"] else "", str(e["created"] or ""))
+        out.print(ct)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

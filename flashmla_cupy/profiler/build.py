@@ -1,0 +1,144 @@
+"""The ``compile`` subcommand: build (or find cached) cubins for every kernel program.
+
+Programs come from each kernel module's ``all_programs()`` (``flashmla_cupy.mla``,
+``flashmla_cupy.attention``), imported lazily: a module that is missing or has no such function is
+reported and skipped. Missing cubins compile in parallel processes (``compiler.build_many``);
+each program's row gives ptxas's register / stack / spill report per kernel, the cold compile time
+(recorded in the cache entry when it was built) and whether this run hit the cache.
+Needs no GPU when ``arch`` is given.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+
+KERNEL_MODULES = ("mla", "attention")
+
+
+@dataclass
+class ProgramSet:
+    programs: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def collect_programs(modules=KERNEL_MODULES) -> ProgramSet:
+    found = ProgramSet()
+    for name in modules:
+        try:
+            mod = importlib.import_module(f"flashmla_cupy.{name}")
+        except Exception as e:  # noqa: BLE001 - a module being written, or failing to import
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            found.notes.append(f"flashmla_cupy.{name}: not available ({type(e).__name__}: {first})")
+            continue
+        fn = getattr(mod, "all_programs", None)
+        if fn is not None:
+            found.programs.extend(fn())
+        elif getattr(mod, "PROGRAM", None) is not None:      # a module with a single program
+            found.programs.append(mod.PROGRAM)
+        else:
+            found.notes.append(f"flashmla_cupy.{name}: has no all_programs(); skipped")
+    return found
+
+
+def default_arch(device: int = 0) -> tuple[str, str]:
+    """(arch, where it came from): the GPU's, else sm_90a."""
+    from .. import compiler
+    try:
+        from .env import device_info, gpu_count
+        if gpu_count() > device:
+            return device_info(device)["arch"], f"device {device}"
+    except Exception:  # noqa: BLE001 - no GPU
+        pass
+    return compiler.DEFAULT_ARCH, "default (no GPU)"
+
+
+def filter_programs(programs: list, only: list[str] | None) -> list:
+    if not only:
+        return programs
+    return [p for p in programs if any(s.lower() in p.name.lower() for s in only)]
+
+
+def build_with_progress(programs: list, arch: str, jobs: int | None, console, *,
+                        transient: bool = False, show_hits: bool = True) -> tuple[list, float]:
+    """Build with a rich progress bar; ``(cubins, wall seconds)``. Raises ``CompileError``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .. import compiler
+
+    t0 = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=transient) as progress:
+        task = progress.add_task(f"building {len(programs)} kernel program(s) for {arch}", total=len(programs))
+
+        def done(cubin):
+            if show_hits or not cubin.from_cache:
+                how = "cache hit" if cubin.from_cache else f"compiled in {cubin.compile_seconds:.1f} s"
+                progress.console.print(f"  {cubin.program.name}: {how}", highlight=False)
+            progress.advance(task)
+
+        cubins = compiler.build_many(programs, arch, jobs=jobs, on_done=done)
+    return cubins, time.perf_counter() - t0
+
+
+def short_kernel_name(expr: str) -> str:
+    """``flashmla::mla_combine_kernel<cutlass::bfloat16_t>`` -> ``mla_combine_kernel<bfloat16_t>``."""
+    head, sep, args = expr.partition("<")
+    name = head.split("::")[-1]
+    if not sep:
+        return name
+    return name + "<" + ", ".join(a.strip().split("::")[-1] for a in args.rstrip(">").split(",")) + ">"
+
+
+def resources_table(cubins: list, arch: str):
+    from rich.table import Table
+
+    t = Table(title=f"kernels for {arch} (ptxas report)", header_style="bold")
+    t.add_column("kernel", overflow="fold", ratio=1)
+    for name in ("regs", "stack B", "spill st/ld B", "KiB", "cold s"):
+        t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("cache", no_wrap=True)
+    for c in cubins:
+        for i, expr in enumerate(c.program.kernels):
+            r = c.resources.get(expr)
+            known = r is not None and r.registers >= 0
+            spills = known and (r.spill_stores > 0 or r.spill_loads > 0)
+            spill_text = f"{r.spill_stores}/{r.spill_loads}" if known else "?"
+            t.add_row(short_kernel_name(expr),
+                      str(r.registers) if known else "?", str(r.stack_bytes) if known else "?",
+                      f"[yellow]{spill_text}[/]" if spills else spill_text,
+                      f"{len(c.image) / 1024:.0f}" if i == 0 else "",
+                      f"{c.compile_seconds:.1f}" if i == 0 else "",
+                      ("[green]hit[/]" if c.from_cache else "compiled") if i == 0 else "")
+    return t
+
+
+def records(cubins: list) -> list[dict]:
+    out = []
+    for c in cubins:
+        for expr in c.program.kernels:
+            r = c.resources.get(expr)
+            out.append({"program": c.program.name, "source": c.program.source, "kernel": expr,
+                        "arch": c.arch, "registers": r.registers if r else None,
+                        "stack_bytes": r.stack_bytes if r else None,
+                        "spill_stores": r.spill_stores if r else None,
+                        "spill_loads": r.spill_loads if r else None,
+                        "cubin_bytes": len(c.image), "compile_seconds": c.compile_seconds,
+                        "from_cache": c.from_cache, "path": str(c.path) if c.path else None})
+    return out
+
+
+def prebuild(module: str, console, *, arch: str, dtype_tag: str | None = None) -> None:
+    """Before a profile: build the kernels it will launch, with our own progress display (the
+    compiler's own status line would collide with the profile's progress bar)."""
+    progs = collect_programs((module,)).programs
+    if dtype_tag:
+        progs = [p for p in progs if "<" not in p.name or f"<{dtype_tag}>" in p.name]
+    if not progs:
+        return
+    from .. import compiler
+    missing = [p for p in progs if not compiler.entry_path(p, arch).is_file()]
+    if missing:
+        console.print(f"[bold]flashmla-cupy[/] first use: compiling {len(missing)} kernel program(s) "
+                      f"for {arch} with NVRTC (cached afterwards; `flashmla-cupy compile` does this ahead)")
+    build_with_progress(progs, arch, None, console, transient=True, show_hits=False)

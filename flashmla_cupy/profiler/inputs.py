@@ -1,0 +1,107 @@
+"""Random inputs on the GPU, laid out as the seed's benchmark lays them out.
+
+MLA: q ``[b, s_q, h_q, 576]`` and a KV cache of ``b · max_seqlen_pad / 64`` pages, request ``i``
+owning pages ``i · P … i · P + P - 1`` (``block_table = arange``, as in the seed); standard-normal
+data; every cache slot at or past a request's length is NaN (as in the seed), so a kernel that
+reads it shows it in ``--check``. Generated in chunks of requests so that the float32 staging
+never exceeds ~1 GiB whatever the shape.
+
+Attention: float32 q, k, v ``[B, H, N, d]``, standard normal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import baselines
+from .shapes import PAGE_BLOCK, AttentionShape, MLAShape
+
+STAGING_BYTES = 1 << 30
+
+
+def numpy_dtype(tag: str) -> np.dtype:
+    if tag == "bf16":
+        return baselines.bfloat16_dtype()
+    if tag == "fp16":
+        return np.dtype(np.float16)
+    if tag == "fp32":
+        return np.dtype(np.float32)
+    raise ValueError(f"unknown dtype {tag!r} (bf16, fp16 or fp32)")
+
+
+@dataclass
+class MLAInputs:
+    shape: MLAShape
+    q: object                  # cupy arrays
+    k_cache: object
+    block_table: object
+    cache_seqlens: object
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.q, self.k_cache, self.block_table, self.cache_seqlens))
+
+
+def _store(dst, src_f32, dtype, xp) -> None:
+    """Write float32 values into a bf16/fp16 array (bf16 through its bits, rounded to nearest even)."""
+    if baselines.is_bfloat16(dtype):
+        dst.view(xp.uint16)[...] = baselines.from_float32(src_f32, dtype).view(xp.uint16)
+    else:
+        dst[...] = src_f32.astype(dtype)
+
+
+def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLAInputs:
+    """The seed's layout on the GPU (``xp=numpy`` builds the same on the host, for tests)."""
+    if xp is None:
+        import cupy as xp
+
+    dtype = numpy_dtype(shape.dtype)
+    gen = xp.random.default_rng(seed)
+    b, s_q, h_q, h_kv, d = shape.batch, shape.s_q, shape.h_q, shape.h_kv, shape.d
+    pad = shape.max_seqlen_pad
+    pages = pad // PAGE_BLOCK
+
+    q = xp.empty((b, s_q, h_q, d), dtype=dtype)
+    _store(q, gen.standard_normal(q.shape, dtype=np.float32), dtype, xp)
+
+    k_cache = xp.empty((b * pages, PAGE_BLOCK, h_kv, d), dtype=dtype)
+    per_request = k_cache.reshape(b, pad, h_kv, d)
+    seqlens = np.asarray(shape.seqlens, dtype=np.int32)
+    step = max(1, STAGING_BYTES // (pad * h_kv * d * 4))
+    pos = xp.arange(pad, dtype=np.int32)
+    for lo in range(0, b, step):
+        hi = min(b, lo + step)
+        block = gen.standard_normal((hi - lo, pad, h_kv, d), dtype=np.float32)
+        lengths = xp.asarray(seqlens[lo:hi]).reshape(hi - lo, 1, 1, 1)
+        xp.copyto(block, np.float32(np.nan), where=pos[None, :, None, None] >= lengths)
+        _store(per_request[lo:hi], block, dtype, xp)
+        del block
+    block_table = xp.arange(b * pages, dtype=np.int32).reshape(b, pages)
+    return MLAInputs(shape, q, k_cache, block_table, xp.asarray(seqlens))
+
+
+@dataclass
+class AttentionInputs:
+    shape: AttentionShape
+    q: object
+    k: object
+    v: object
+
+
+def make_attention_inputs(shape: AttentionShape, seed: int = 0, xp=None) -> AttentionInputs:
+    if xp is None:
+        import cupy as xp
+
+    gen = xp.random.default_rng(seed)
+    dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    q, k, v = (gen.standard_normal(dims, dtype=np.float32) for _ in range(3))
+    return AttentionInputs(shape, q, k, v)
+
+
+def free_gpu_memory() -> None:
+    """Give cached blocks back to the driver (between shapes)."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()

@@ -1,0 +1,361 @@
+"""Showing and exporting results: the rich header and table, CSV, JSON, a matplotlib plot.
+
+CSV: one row per (shape, target). The seed benchmark's columns come first,
+``name,batch,seqlen,head,bw`` (target, batch, mean cache length, query heads, GB/s), so its
+``visualize.py`` reads our files; every other number follows (``CSV_COLUMNS``).
+JSON: ``{"tool", "kind", "created", "environment", "ceilings", "method", "config", "records"}``
+with every number; non-finite floats are written as ``null``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+from .ceilings import Ceilings
+
+SEED_COLUMNS = ["name", "batch", "seqlen", "head", "bw"]
+CSV_COLUMNS = SEED_COLUMNS + [
+    # shape
+    "mean_seqlen", "seqlen_mean", "total_seqlen", "max_seqlen", "h_q", "h_kv", "s_q", "varlen",
+    "causal", "dtype", "d", "dv", "heads", "head_dim",
+    # time (ms)
+    "ms_median", "ms_p10", "ms_p90", "ms_q1", "ms_q3", "ms_mean", "ms_std", "ms_min", "ms_max", "n_runs",
+    # rates and roofs
+    "tflops", "gbps", "flops", "bytes", "frac_copy_bw", "frac_matmul", "bound", "roof_fraction",
+    "t_memory_ms", "t_compute_ms", "speedup", "speedup_vs",
+    # --check
+    "cos_diff_out", "max_abs_out", "cos_diff_lse", "max_abs_lse", "check_ok",
+    # context
+    "graph", "copy_gbps_ceiling", "matmul_tflops_ceiling", "error", "notes",
+]
+
+PLOT_MISSING = ("--plot needs matplotlib, which is not installed: "
+                "pip install 'flashmla-cupy[plot]' (or pip install matplotlib)")
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting helpers (pure)
+# --------------------------------------------------------------------------------------------
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def fmt_ms(x) -> str:
+    if not _num(x):
+        return "–"
+    return f"{x:.3f}" if x < 100 else f"{x:.1f}"
+
+
+def fmt_pct(x) -> str:
+    return f"{100 * x:.0f}%" if _num(x) else "–"
+
+
+def fmt_sci(x) -> str:
+    if x == math.inf:
+        return "inf"
+    return f"{x:.1e}" if _num(x) else "–"
+
+
+def roof_style(frac) -> str:
+    if not _num(frac):
+        return ""
+    return "green" if frac >= 0.7 else "yellow" if frac >= 0.4 else "red"
+
+
+def bound_cell(rec: dict) -> str:
+    kind, frac = rec.get("bound"), rec.get("roof_fraction")
+    if not kind or kind == "?":
+        return "–"
+    style = roof_style(frac)
+    return f"[{style}]{kind} {fmt_pct(frac)}[/]" if style else f"{kind} {fmt_pct(frac)}"
+
+
+def describe_ceilings(c: Ceilings) -> list[str]:
+    lines = []
+    if c.copy_gbps:
+        lines.append(f"copy {c.copy_gbps:,.0f} GB/s ({c.copy_method})")
+    if c.matmul_tflops:
+        lines.append(f"matmul {c.matmul_tflops:,.0f} TFLOP/s ({c.matmul_method})")
+    lines += c.notes
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# Header and table (rich)
+# --------------------------------------------------------------------------------------------
+
+def header_lines(env: dict, method: dict | None, *, kind: str, seed: int | None,
+                 config: dict | None = None) -> list[tuple[str, str]]:
+    """``(label, text)`` pairs: GPU, software, what was timed and how, seed, formulas."""
+    g = env.get("gpu") or {}
+    v = env.get("versions") or {}
+    rows = []
+    if "error" in g or not g:
+        rows.append(("GPU", g.get("error", "none")))
+    else:
+        clocks = []
+        if g.get("sm_clock_mhz"):
+            clocks.append(f"SM {g['sm_clock_mhz']} MHz now, {g.get('sm_clock_max_mhz', '?')} max")
+        elif g.get("sm_clock_max_mhz"):
+            clocks.append(f"SM {g['sm_clock_max_mhz']} MHz max")
+        if g.get("mem_clock_max_mhz"):
+            clocks.append(f"memory {g['mem_clock_max_mhz']} MHz")
+        rows.append(("GPU", f"{g['name']} · {g['sm_count']} SMs · {g['arch']} · "
+                            f"{g['memory_bytes'] / 2**30:.0f} GiB · L2 {g['l2_bytes'] / 2**20:.0f} MiB"
+                            + (" · " + ", ".join(clocks) if clocks else "")))
+    drv = v.get("cuda_driver", "?")
+    if v.get("nvidia_driver"):
+        drv = f"{drv} (NVIDIA {v['nvidia_driver']})"
+    rows.append(("Software", f"flashmla-cupy {v.get('flashmla-cupy')} · CuPy {v.get('cupy')} · "
+                             f"NVRTC {v.get('nvrtc')} · CUDA driver {drv} · runtime {v.get('cuda_runtime')} · "
+                             f"cuda-bindings {v.get('cuda-bindings')} · CUTLASS {v.get('cutlass')}"))
+    if method:
+        timed = method["timed"] + (f" · PDL {env.get('pdl', '?')}" if kind == "mla" else "")
+        rows.append(("Timed", timed))
+        rows.append(("Method", f"{method['timing']}; {method['cache']}; median of up to "
+                               f"{method['repeats']} runs (fewer past {method['budget_s_per_target']:g} s "
+                               f"per target, at least 10) after {method['warmup_calls']} warm-up calls; "
+                               f"spread p10–p90"))
+    if seed is not None:
+        if kind == "mla":
+            rows.append(("Seed", f"{seed} (cache lengths: random.Random({seed}).normalvariate(mean, mean/2), "
+                                 f"at least s_q, in grid order, as the seed's test; data: CuPy RNG)"))
+        else:
+            rows.append(("Seed", f"{seed} (data: CuPy RNG, standard normal)"))
+    if kind == "mla":
+        rows.append(("Formulas", "FLOPs = 2·s_q·Σseqlen·h_q·(576+512); "
+                                 "bytes = 2·(Σseqlen·h_kv·576 + b·s_q·h_q·576 + b·s_q·h_q·512); "
+                                 "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling"))
+    else:
+        rows.append(("Formulas", "FLOPs = 4·B·H·N²·d (halved if causal); bytes = 4·(4·B·H·N·d), float32"))
+    return rows
+
+
+def print_header(console, rows: list[tuple[str, str]]) -> None:
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold cyan", no_wrap=True)
+    t.add_column()
+    for label, text in rows:
+        t.add_row(label, text)
+    console.print(t)
+
+
+def _shape_columns(kind: str) -> list[tuple[str, callable, dict]]:
+    if kind == "mla":
+        return [
+            ("b", lambda r: str(r["batch"]), {"justify": "right"}),
+            ("s_k", lambda r: f"{r['mean_seqlen']}" + ("~" if r.get("varlen") else ""), {"justify": "right"}),
+            ("h_q", lambda r: str(r["h_q"]), {"justify": "right"}),
+            ("s_q", lambda r: str(r["s_q"]), {"justify": "right"}),
+        ]
+    return [
+        ("B", lambda r: str(r["batch"]), {"justify": "right"}),
+        ("H", lambda r: str(r["heads"]), {"justify": "right"}),
+        ("N", lambda r: str(r["seqlen"]), {"justify": "right"}),
+        ("d", lambda r: str(r["head_dim"]), {"justify": "right"}),
+    ]
+
+
+def group_by_shape(records: list[dict]) -> list[dict[str, dict]]:
+    groups: dict[int, dict[str, dict]] = {}
+    for r in records:
+        groups.setdefault(r["shape_index"], {})[r["name"]] = r
+    return [groups[k] for k in sorted(groups)]
+
+
+def results_table(records: list[dict], *, kind: str, main: str, others: list[str], check: bool,
+                  title: str | None = None):
+    """One row per shape: the main target's numbers, then each other target's time and speed-up."""
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold", show_lines=False, pad_edge=False)
+    shape_cols = _shape_columns(kind)
+    for name, _, kw in shape_cols:
+        t.add_column(name, **kw)
+    t.add_column(f"{main} ms", justify="right", style="bold")
+    t.add_column("p10–p90", justify="right", style="dim")
+    t.add_column("TFLOP/s", justify="right")
+    t.add_column("GB/s", justify="right")
+    t.add_column("% copy", justify="right")
+    t.add_column("% matmul", justify="right")
+    t.add_column("bound (of roof)", justify="left")
+    for o in others:
+        t.add_column(f"{o} ms", justify="right")
+        t.add_column("speed-up", justify="right")
+    if check:
+        t.add_column("cos_diff", justify="right")
+        t.add_column("max |Δ|", justify="right")
+        if kind == "mla":
+            t.add_column("lse cos_diff", justify="right")
+    errors = []
+    for group in group_by_shape(records):
+        any_rec = next(iter(group.values()))
+        m = group.get(main, {})
+        cells = [f(any_rec) for _, f, _ in shape_cols]
+        if m.get("error") or "ms_median" not in m:
+            errors.append(f"{main} at {' '.join(cells)}: {m.get('error', 'not run')}")
+            cells += ["[red]error[/]", "", "", "", "", "", ""]
+        else:
+            cells += [fmt_ms(m["ms_median"]), f"{fmt_ms(m['ms_p10'])}–{fmt_ms(m['ms_p90'])}",
+                      f"{m['tflops']:.0f}", f"{m['gbps']:.0f}",
+                      fmt_pct(m.get("frac_copy_bw")), fmt_pct(m.get("frac_matmul")), bound_cell(m)]
+        for o in others:
+            r = group.get(o, {})
+            if r.get("error"):
+                errors.append(f"{o} at {' '.join(cells[:len(shape_cols)])}: {r['error']}")
+                cells += ["[red]error[/]", ""]
+            else:
+                sp = m.get("speedup") if m.get("speedup_vs") == o else None
+                cells += [fmt_ms(r.get("ms_median")), f"{sp:.1f}×" if _num(sp) else "–"]
+        if check:
+            ok = m.get("check_ok")
+            style = "" if ok is None else ("green" if ok else "red")
+            cos, mae = fmt_sci(m.get("cos_diff_out")), fmt_sci(m.get("max_abs_out"))
+            cells += [f"[{style}]{cos}[/]" if style else cos, mae]
+            if kind == "mla":
+                cells.append(fmt_sci(m.get("cos_diff_lse")))
+        t.add_row(*cells)
+    return t, errors
+
+
+# --------------------------------------------------------------------------------------------
+# Exports
+# --------------------------------------------------------------------------------------------
+
+def _csv_value(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.6g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
+    return str(v)
+
+
+def _with_ceilings(records: list[dict], c: Ceilings) -> list[dict]:
+    return [{**r, "copy_gbps_ceiling": c.copy_gbps, "matmul_tflops_ceiling": c.matmul_tflops} for r in records]
+
+
+def write_csv(path, records: list[dict], ceilings: Ceilings) -> Path:
+    path = Path(path)
+    rows = _with_ceilings(records, ceilings)
+    extra = sorted({k for r in rows for k in r} - set(CSV_COLUMNS) - {"shape_index"})
+    present = {k for r in rows for k in r}
+    columns = SEED_COLUMNS + [c for c in CSV_COLUMNS[len(SEED_COLUMNS):] if c in present] + extra
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for r in rows:
+            w.writerow([_csv_value(r.get(c)) for c in columns])
+    return path
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def json_payload(*, kind: str, records: list[dict], ceilings: Ceilings, method: dict | None,
+                 environment: dict, config: dict, interrupted: bool = False) -> dict:
+    return _json_safe({
+        "tool": "flashmla-cupy profile",
+        "schema": 1,
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "interrupted": interrupted,
+        "environment": environment,
+        "ceilings": ceilings.as_dict(),
+        "method": method,
+        "config": config,
+        "records": records,
+    })
+
+
+def write_json(path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def matplotlib_status() -> str | None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return PLOT_MISSING
+    return None
+
+
+def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str = "") -> Path:
+    """PNG: GB/s and TFLOP/s against the mean cache length (MLA) or N (attention), per target.
+
+    MLA: one column of axes per s_q, colour per h_q, solid / dashed for fixed / varlen lengths,
+    a marker per target; the measured ceilings as horizontal lines.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "gbps" in r]
+    targets = list(dict.fromkeys(r["name"] for r in ok))
+    markers = dict(zip(targets, "osD^v<>"))
+    if kind == "mla":
+        panels = sorted({r["s_q"] for r in ok}) or [1]
+        colour_key, colour_label = "h_q", "h_q"
+    else:
+        panels = [None]
+        colour_key, colour_label = "head_dim", "d"
+    fig, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 8), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    colour_values = sorted({r.get(colour_key) for r in ok})
+    colours = {v: cmap(i / max(len(colour_values) - 1, 1)) for i, v in enumerate(colour_values)}
+    x_key = "mean_seqlen" if kind == "mla" else "seqlen"
+    for col, panel in enumerate(panels):
+        sub = [r for r in ok if panel is None or r.get("s_q") == panel]
+        series: dict[tuple, list[dict]] = {}
+        for r in sub:
+            series.setdefault((r["name"], r.get(colour_key), bool(r.get("varlen"))), []).append(r)
+        for (name, cv, varlen), rs in sorted(series.items(), key=lambda kv: str(kv[0])):
+            rs = sorted(rs, key=lambda r: r[x_key])
+            xs = [r[x_key] for r in rs]
+            label = f"{name} {colour_label}={cv}" + (" varlen" if varlen else "")
+            style = dict(color=colours.get(cv), marker=markers.get(name, "o"),
+                         linestyle="--" if varlen else "-", label=label)
+            axes[0][col].plot(xs, [r["gbps"] for r in rs], **style)
+            axes[1][col].plot(xs, [r["tflops"] for r in rs], **style)
+        if ceilings.copy_gbps:
+            axes[0][col].axhline(ceilings.copy_gbps, color="grey", linestyle=":", label="copy ceiling")
+        if ceilings.matmul_tflops:
+            axes[1][col].axhline(ceilings.matmul_tflops, color="grey", linestyle=":", label="matmul ceiling")
+        suffix = f" (s_q = {panel})" if panel is not None else ""
+        axes[0][col].set_title(f"bandwidth{suffix}")
+        axes[1][col].set_title(f"throughput{suffix}")
+        axes[0][col].set_ylabel("GB/s")
+        axes[1][col].set_ylabel("TFLOP/s")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("mean cache length (tokens)" if kind == "mla" else "N (sequence length)")
+            ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

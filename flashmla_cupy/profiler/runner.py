@@ -1,0 +1,310 @@
+"""The profile loops: for each shape, allocate inputs, set every target up, time it, free.
+
+Results are flat records (dicts; one per shape and target) that ``report`` turns into the table,
+CSV, JSON and plot. A failing target records its one-line error and the loop goes on; Ctrl-C stops
+the loop and keeps what was measured.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from . import ceilings as ceil_mod
+from . import shapes as shp
+from .env import NoGPU, _first_line
+from .targets import ATTENTION_TARGETS, MLA_TARGETS, Target
+from .timing import L2Flush, summarize, time_cuda
+
+# --check passes under these (FlashMLA's test requires cos_diff < 1e-5 for out and lse).
+COS_DIFF_LIMIT = 1e-5
+# float32 attention against float64: max |error| under this passes.
+ATTENTION_MAX_ABS_LIMIT = 1e-3
+
+
+@dataclass
+class RunConfig:
+    targets: list[str]
+    baseline: str | None = None
+    repeats: int = 100
+    warmup: int = 10
+    budget_s: float = 3.0
+    graph: bool = False
+    flush_l2: bool = True
+    check: bool = False
+    seed: int = 0
+    device: int = 0
+    measure_ceilings: bool = True
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunResult:
+    kind: str                               # "mla" or "attention"
+    records: list[dict]
+    ceilings: ceil_mod.Ceilings
+    method: dict
+    interrupted: bool = False
+    skipped_targets: dict[str, str] = field(default_factory=dict)
+
+
+def method_description(config: RunConfig, flush: L2Flush | None, kind: str) -> dict:
+    what = ("whole call: split-KV + combine kernels; metadata computed once beforehand"
+            if kind == "mla" else "whole call of each implementation (outputs allocated inside)")
+    timing = ("CUDA events around each replay of a CUDA graph captured from one call"
+              if config.graph else "CUDA events around each call, runs enqueued back to back")
+    cache = flush.describe() if flush is not None else "L2 not flushed (warm cache: inputs may be cached)"
+    return {
+        "timed": what,
+        "timing": timing,
+        "cache": cache,
+        "warmup_calls": config.warmup,
+        "repeats": config.repeats,
+        "budget_s_per_target": config.budget_s,
+        "statistic": "median; spread p10-p90 (quartiles in the exports)",
+    }
+
+
+def usable_targets(names: list[str], table: dict[str, Target]) -> tuple[list[Target], dict[str, str]]:
+    ok, skipped = [], {}
+    for n in names:
+        t = table[n]
+        why = t.requires()
+        if why:
+            skipped[n] = why
+        else:
+            ok.append(t)
+    return ok, skipped
+
+
+def _errors(got, ref) -> dict:
+    from .. import reference
+
+    cos = getattr(reference, "cos_diff")
+    mae = getattr(reference, "max_abs_error")
+    return {"cos_diff": cos(got, ref), "max_abs": mae(got, ref)}
+
+
+def _rate_fields(ms: float, flops: int, nbytes: int, c: ceil_mod.Ceilings) -> dict:
+    tflops = flops / (ms * 1e-3) / 1e12
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    fb, ff = ceil_mod.fractions(gbps, tflops, c)
+    bound = ceil_mod.classify(ms, flops, nbytes, c)
+    return {"tflops": tflops, "gbps": gbps, "bw": gbps, "frac_copy_bw": fb, "frac_matmul": ff,
+            "bound": bound.kind, "t_memory_ms": bound.t_memory_ms, "t_compute_ms": bound.t_compute_ms,
+            "roof_fraction": bound.roof_fraction}
+
+
+def _add_speedups(records: list[dict], main: str, baseline: str | None) -> None:
+    if not baseline:
+        return
+    by_shape: dict[int, dict[str, dict]] = {}
+    for r in records:
+        by_shape.setdefault(r["shape_index"], {})[r["name"]] = r
+    for rows in by_shape.values():
+        m, b = rows.get(main), rows.get(baseline)
+        if m and b and m.get("ms_median") and b.get("ms_median"):
+            m["speedup"] = b["ms_median"] / m["ms_median"]
+            m["speedup_vs"] = baseline
+
+
+def require_device(config: RunConfig, need_hopper: bool) -> dict:
+    """Device facts, or ``NoGPU`` with a one-line reason."""
+    from .env import device_info, gpu_count
+
+    n = gpu_count()
+    if config.device >= n:
+        raise NoGPU(f"device {config.device} does not exist ({n} CUDA device(s))")
+    info = device_info(config.device)
+    if need_hopper and not info["compute_capability"].startswith("9."):
+        raise NoGPU(f"the MLA kernels need a Hopper GPU (sm_90); device {config.device} is "
+                    f"{info['name']} (sm_{info['compute_capability'].replace('.', '')})")
+    return info
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What differs between the MLA grid and the attention sweep; ``run`` does the rest."""
+    kind: str
+    table: dict[str, Target]
+    make_inputs: Callable            # (shape, seed) -> inputs
+    reference: Callable              # inputs -> float64 reference (for --check)
+    compare: Callable                # (target result, reference) -> error fields
+    flops: Callable                  # shape -> FLOPs
+    nbytes: Callable                 # shape -> bytes
+    fields: Callable                 # shape -> the record's shape fields (seed columns first)
+
+
+def _mla_reference(inp):
+    from .. import reference
+    s = inp.shape
+    return reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, s.dv,
+                                causal=s.causal)
+
+
+def _mla_compare(result, ref) -> dict:
+    eo, el = _errors(result[0], ref[0]), _errors(result[1], ref[1])
+    return {"cos_diff_out": eo["cos_diff"], "max_abs_out": eo["max_abs"],
+            "cos_diff_lse": el["cos_diff"], "max_abs_lse": el["max_abs"],
+            "check_ok": bool(eo["cos_diff"] < COS_DIFF_LIMIT and el["cos_diff"] < COS_DIFF_LIMIT)}
+
+
+def _mla_fields(shape: shp.MLAShape) -> dict:
+    return {"batch": shape.batch, "seqlen": round(shape.seqlen_mean), "head": shape.h_q, **shape.as_dict()}
+
+
+def _attention_compare(result, ref) -> dict:
+    out = result[0] if isinstance(result, tuple) else result
+    e = _errors(out, ref)
+    return {"cos_diff_out": e["cos_diff"], "max_abs_out": e["max_abs"],
+            "check_ok": bool(e["max_abs"] < ATTENTION_MAX_ABS_LIMIT)}
+
+
+def _attention_fields(shape: shp.AttentionShape) -> dict:
+    return {"batch": shape.batch, "seqlen": shape.seqlen, "head": shape.heads, **shape.as_dict()}
+
+
+def mla_workload() -> Workload:
+    from .inputs import make_mla_inputs
+    return Workload("mla", MLA_TARGETS, make_mla_inputs, _mla_reference, _mla_compare,
+                    shp.mla_flops, shp.mla_bytes, _mla_fields)
+
+
+def attention_workload() -> Workload:
+    from .inputs import make_attention_inputs
+    return Workload("attention", ATTENTION_TARGETS, make_attention_inputs, _attention_reference,
+                    _attention_compare, shp.attention_flops, shp.attention_bytes, _attention_fields)
+
+
+class CudaSession:
+    """The device side of a run: current device, one non-blocking stream, the ceilings, the L2
+    flush buffer, timing and freeing memory. ``run`` talks to the GPU only through this (the CPU
+    tests hand it a stand-in)."""
+
+    def __init__(self, config: RunConfig, gpu: dict):
+        self.config, self.gpu = config, gpu
+        self.stream = self.flush = None
+        self._device = None
+
+    def __enter__(self):
+        import cupy
+
+        self._device = cupy.cuda.Device(self.config.device)
+        self._device.__enter__()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        if self.config.flush_l2:
+            self.flush = L2Flush(self.gpu.get("l2_bytes", 0), self.config.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.flush is not None:
+            self.flush.release()
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - a broken context already reported its error
+            pass
+        self._device.__exit__(*exc)
+        return False
+
+    def ceilings(self) -> ceil_mod.Ceilings:
+        if not self.config.measure_ceilings:
+            return ceil_mod.Ceilings(notes=["not measured (--no-ceilings)"])
+        return ceil_mod.measure(self.stream)
+
+    def time(self, fn) -> list[float]:
+        c = self.config
+        return time_cuda(fn, stream=self.stream, repeats=c.repeats, warmup=c.warmup, flush=self.flush,
+                         graph=c.graph, budget_s=c.budget_s)
+
+    def free(self) -> None:
+        from .inputs import free_gpu_memory
+
+        if self.stream is not None:
+            self.stream.synchronize()
+        free_gpu_memory()
+
+
+def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
+        on_progress: Callable[[str], None] = lambda msg: None,
+        on_record: Callable[[dict], None] = lambda rec: None,
+        on_note: Callable[[str], None] = lambda msg: None,
+        session: CudaSession | None = None) -> RunResult:
+    """Measure the ceilings, then every (shape, target): one record each.
+
+    ``on_progress(stage)`` names what runs now, ``on_record(record)`` follows each finished
+    (shape, target), ``on_note(line)`` reports a skipped target or a failure.
+    """
+    targets, skipped = usable_targets(config.targets, work.table)
+    for n, why in skipped.items():
+        on_note(f"target {n} skipped: {why}")
+    records: list[dict] = []
+    interrupted = False
+    with (session or CudaSession(config, gpu)) as dev:
+        on_progress("measuring the ceilings (copy bandwidth, matmul)")
+        c = dev.ceilings()
+        method = method_description(config, dev.flush, work.kind)
+        try:
+            for i, shape in enumerate(shape_list):
+                on_progress(f"{shape.label()}: inputs")
+                inp = work.make_inputs(shape, seed=config.seed + i)
+                ref = None
+                if config.check:
+                    on_progress(f"{shape.label()}: float64 reference")
+                    try:
+                        ref = work.reference(inp)
+                    except Exception as e:  # noqa: BLE001
+                        on_note(f"{shape.label()}: reference failed: {_first_line(e)}")
+                flops, nbytes = work.flops(shape), work.nbytes(shape)
+                for t in targets:
+                    on_progress(f"{shape.label()}: {t.name}")
+                    records.append(_measure_target(t, inp, ref, work, dev, c, config, i, shape,
+                                                   flops, nbytes, on_note))
+                    on_record(records[-1])
+                del inp, ref
+                dev.free()
+        except KeyboardInterrupt:
+            interrupted = True
+    _add_speedups(records, config.targets[0], config.baseline)
+    return RunResult(work.kind, records, c, method, interrupted, skipped)
+
+
+def _measure_target(t: Target, inp, ref, work: Workload, dev, c: ceil_mod.Ceilings, config: RunConfig,
+                    index: int, shape, flops: int, nbytes: int, on_note) -> dict:
+    rec = {"name": t.name, **work.fields(shape), "shape_index": index, "flops": flops, "bytes": nbytes,
+           "graph": config.graph}
+    try:
+        prep = t.setup(inp)
+        if ref is not None:
+            rec.update(work.compare(prep.result, ref))
+        prep.result = None
+        stats = summarize(dev.time(prep.run)).as_dict()
+        rec.update(stats)
+        rec.update(_rate_fields(stats["ms_median"], flops, nbytes, c))
+        if prep.notes:
+            rec["notes"] = "; ".join(prep.notes)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
+        rec["error"] = _first_line(e)
+        on_note(f"{shape.label()} {t.name}: {rec['error']}")
+    return rec
+
+
+def _attention_reference(inp, max_bytes: int = 4 << 30):
+    """float64 reference, a slice of the batch at a time so the N² scores stay under ``max_bytes``."""
+    import cupy
+
+    from .. import reference
+
+    s = inp.shape
+    per_batch = 8 * s.heads * s.seqlen * s.seqlen * 3          # scores, weights, a temporary
+    step = max(1, max_bytes // max(per_batch, 1))
+    out = cupy.empty((s.batch, s.heads, s.seqlen, s.head_dim), dtype=cupy.float64)
+    for lo in range(0, s.batch, step):
+        hi = min(s.batch, lo + step)
+        o, _ = reference.attention(inp.q[lo:hi], inp.k[lo:hi], inp.v[lo:hi], causal=s.causal)
+        out[lo:hi] = o
+    return out
+
+

@@ -1,0 +1,189 @@
+"""Workloads and their cost model (pure Python: no GPU, no CuPy).
+
+MLA decoding shapes follow the seed's test and benchmark: page block 64, head_dim_k 576 (512 + 64
+rope), head_dim_v 512, and per shape ``batch`` cache lengths: all equal to the mean, or with
+``varlen`` drawn from normal(mean, mean / 2), at least ``s_q``, truncated to an integer. The draws
+come from one ``random.Random(seed)`` consumed in grid order (batch, seqlen, h_q, s_q, varlen), which
+is exactly what the seed's test does after ``random.seed(0)``: with the default grid and seed 0 the
+cache lengths are the ones behind the measured anchors.
+
+FLOPs and bytes use the seed benchmark's formulas:
+
+    FLOPs = 2 · s_q · Σseqlen · h_q · (d + dv)
+    bytes = elem · (Σseqlen · h_kv · d + b · s_q · h_q · d + b · s_q · h_q · dv)
+
+(the KV cache read once, q read once, the output written once; elem = 2 for bf16/fp16).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+HEAD_DIM_K = 576
+HEAD_DIM_V = 512
+PAGE_BLOCK = 64
+SEQLEN_PAD = 256           # the seed pads each request's cache to a multiple of 256 tokens
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# The seed's test grid.
+SEED_BATCHES = (128,)
+SEED_SEQLENS = (4096, 8192, 16384)
+SEED_HEADS = (16, 32, 64, 128)
+SEED_S_Q = (1, 2)
+SEED_VARLEN = (False, True)
+
+# --quick: a few shapes of the default grid (same draws as in the full grid), for a README table.
+QUICK_KEYS = (
+    # (batch, mean seqlen, h_q, s_q, varlen)
+    (128, 4096, 16, 1, False),     # memory-bound corner
+    (128, 4096, 128, 1, False),    # balanced
+    (128, 8192, 64, 2, True),      # varlen, MTP 2
+    (128, 16384, 128, 2, False),   # compute-bound corner
+)
+
+# Attention (seed 000): flash_attn_minimal vs manual attention on float32 [B, H, N, d].
+ATTENTION_SEED_SHAPE = (16, 12, 64, 64)
+ATTENTION_SWEEP_N = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """One decoding problem: ``batch`` requests, ``s_q`` query tokens each, a paged KV cache."""
+    batch: int
+    mean_seqlen: int
+    h_q: int
+    s_q: int
+    varlen: bool
+    seqlens: tuple[int, ...] = field(repr=False)
+    h_kv: int = 1
+    causal: bool = True
+    dtype: str = "bf16"
+    d: int = HEAD_DIM_K
+    dv: int = HEAD_DIM_V
+
+    @property
+    def total_seqlen(self) -> int:
+        return sum(self.seqlens)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens)
+
+    @property
+    def seqlen_mean(self) -> float:
+        """The drawn lengths' mean (what the seed's CSV writes as ``seqlen``)."""
+        return self.total_seqlen / len(self.seqlens)
+
+    @property
+    def max_seqlen_pad(self) -> int:
+        return -(-self.max_seqlen // SEQLEN_PAD) * SEQLEN_PAD
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the KV cache as the seed lays it out: ``batch · max_seqlen_pad / 64``."""
+        return self.batch * self.max_seqlen_pad // PAGE_BLOCK
+
+    @property
+    def key(self) -> tuple:
+        return (self.batch, self.mean_seqlen, self.h_q, self.s_q, self.varlen)
+
+    def label(self) -> str:
+        return (f"b={self.batch} s_k={self.mean_seqlen}{'~' if self.varlen else ''} "
+                f"h_q={self.h_q} s_q={self.s_q}")
+
+    def as_dict(self) -> dict:
+        return {
+            "batch": self.batch, "mean_seqlen": self.mean_seqlen, "seqlen_mean": self.seqlen_mean,
+            "total_seqlen": self.total_seqlen, "max_seqlen": self.max_seqlen, "h_q": self.h_q,
+            "h_kv": self.h_kv, "s_q": self.s_q, "varlen": self.varlen, "causal": self.causal,
+            "dtype": self.dtype, "d": self.d, "dv": self.dv,
+        }
+
+
+def draw_seqlens(rng: random.Random, batch: int, mean: int, s_q: int, varlen: bool) -> tuple[int, ...]:
+    """Cache lengths as the seed's test draws them (one ``normalvariate`` per request if varlen)."""
+    if not varlen:
+        return (int(mean),) * batch
+    return tuple(int(max(rng.normalvariate(mean, mean / 2), s_q)) for _ in range(batch))
+
+
+def mla_grid(batches=SEED_BATCHES, seqlens=SEED_SEQLENS, heads=SEED_HEADS, s_qs=SEED_S_Q,
+             varlens=SEED_VARLEN, *, h_kv: int = 1, causal: bool = True, dtype: str = "bf16",
+             seed: int = 0) -> list[MLAShape]:
+    """The grid in the seed test's order, cache lengths drawn from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    shapes = []
+    for b in batches:
+        for s in seqlens:
+            for h_q in heads:
+                if h_q % h_kv:
+                    raise ValueError(f"h_q={h_q} is not a multiple of h_kv={h_kv}")
+                for s_q in s_qs:
+                    for varlen in varlens:
+                        shapes.append(MLAShape(b, s, h_q, s_q, varlen, draw_seqlens(rng, b, s, s_q, varlen),
+                                               h_kv=h_kv, causal=causal, dtype=dtype))
+    return shapes
+
+
+def quick_grid(*, h_kv: int = 1, causal: bool = True, dtype: str = "bf16", seed: int = 0) -> list[MLAShape]:
+    """``--quick``: the QUICK_KEYS shapes, with the cache lengths they have in the full grid."""
+    full = {s.key: s for s in mla_grid(h_kv=h_kv, causal=causal, dtype=dtype, seed=seed)}
+    return [full[k] for k in QUICK_KEYS]
+
+
+def element_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]
+
+
+def mla_flops(shape: MLAShape) -> int:
+    """2 · s_q · Σseqlen · h_q · (d + dv): Q·Kᵀ over d and P·V over dv (the seed's count)."""
+    return 2 * shape.s_q * shape.total_seqlen * shape.h_q * (shape.d + shape.dv)
+
+
+def mla_bytes(shape: MLAShape) -> int:
+    """elem · (Σseqlen · h_kv · d + b · s_q · h_q · d + b · s_q · h_q · dv) (the seed's count)."""
+    b, s_q, h_q = shape.batch, shape.s_q, shape.h_q
+    return element_bytes(shape.dtype) * (shape.total_seqlen * shape.h_kv * shape.d
+                                         + b * s_q * h_q * shape.d + b * s_q * h_q * shape.dv)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention (seed 000)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionShape:
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool = False
+    dtype: str = "fp32"
+
+    def label(self) -> str:
+        return f"B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim}"
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "heads": self.heads, "seqlen": self.seqlen,
+                "head_dim": self.head_dim, "causal": self.causal, "dtype": self.dtype}
+
+
+def attention_grid(batch=16, heads=12, head_dim=64, seqlens=ATTENTION_SWEEP_N, *,
+                   causal: bool = False) -> list[AttentionShape]:
+    return [AttentionShape(batch, heads, n, head_dim, causal) for n in seqlens]
+
+
+def attention_flops(shape: AttentionShape) -> int:
+    """4 · B · H · N² · d (Q·Kᵀ and P·V), halved when causal (only the lower triangle counts)."""
+    f = 4 * shape.batch * shape.heads * shape.seqlen * shape.seqlen * shape.head_dim
+    return f // 2 if shape.causal else f
+
+
+def attention_bytes(shape: AttentionShape) -> int:
+    """The fewest bytes: q, k, v read once, o written once (float32)."""
+    return 4 * element_bytes(shape.dtype) * shape.batch * shape.heads * shape.seqlen * shape.head_dim
+
+
+def with_dtype(shapes, dtype: str):
+    return [replace(s, dtype=dtype) for s in shapes]

@@ -1,0 +1,78 @@
+"""TMA tensor maps (``CUtensorMap``) encoded on the host with ``cuTensorMapEncodeTiled``.
+
+The kernels receive the 128 opaque bytes inside their ``__grid_constant__`` parameter struct.
+Encoding costs several microseconds, so maps are cached by everything that defines them
+(address, dtype, shape, strides, box); a decode loop that reuses its buffers encodes nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections import OrderedDict
+
+import numpy as np
+
+from .launch import _driver, check
+
+_CACHE_SIZE = 256
+_cache: OrderedDict[tuple, bytes] = OrderedDict()
+
+
+@functools.lru_cache(maxsize=None)
+def _data_type(dtype: np.dtype):
+    import ml_dtypes
+
+    drv = _driver()
+    types = {
+        np.dtype(ml_dtypes.bfloat16): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        np.dtype(np.float16): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        np.dtype(np.float32): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+    }
+    return types[np.dtype(dtype)]
+
+
+def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
+                 box: tuple[int, ...], swizzle_128b: bool = True) -> bytes:
+    """A tiled tensor map over ``dims`` (innermost first, that dimension contiguous).
+
+    ``strides_bytes`` are the byte strides of dims[1:], ``box`` the tile copied per TMA
+    instruction. Out-of-bounds elements of a box read as zero and are not written on stores.
+    """
+    key = (address, np.dtype(dtype).str, dims, strides_bytes, box, swizzle_128b)
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    drv = _driver()
+    rank = len(dims)
+    swizzle = (drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b
+               else drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)
+    tensor_map = check(drv.cuTensorMapEncodeTiled(
+        _data_type(dtype), rank, address,
+        [drv.cuuint64_t(d) for d in dims],
+        [drv.cuuint64_t(s) for s in strides_bytes],
+        [drv.cuuint32_t(b) for b in box],
+        [drv.cuuint32_t(1)] * rank,
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        swizzle,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    ))
+    raw = ctypes.string_at(tensor_map.getPtr(), 128)
+    _cache[key] = raw
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return raw
+
+
+def rows_4d(array, box_rows: int = 64, box_cols: int = 64) -> bytes:
+    """Tensor map of a 4-D array ``[outer][rows][heads][cols]`` (last dim contiguous).
+
+    Dims, innermost first: (cols, rows, heads, outer); the box covers box_rows x box_cols of one
+    (outer, head). Used for Q ``[b][q_rows][h_kv][576]``, the KV cache
+    ``[blocks][64][h_kv][576]`` and O ``[b][q_rows][h_kv][512]``.
+    """
+    outer, rows, heads, cols = array.shape
+    s_outer, s_rows, s_heads, _ = array.strides
+    return encode_tiled(array.data.ptr, array.dtype, (cols, rows, heads, outer),
+                        (s_rows, s_heads, s_outer), (box_cols, box_rows, 1, 1))

@@ -1,0 +1,152 @@
+"""GPU tests of MLA decoding against the float64 reference (skipped without a Hopper GPU).
+
+Criteria: FlashMLA's cos_diff < 1e-5 on out and lse, plus per-element bounds: every element
+finite where the reference is (outputs start as NaN), |err| <= atol + rtol*|ref| with the
+tolerances below (input-precision rounding of P and of O dominates), and +inf lse exactly where
+the reference has it.
+"""
+from __future__ import annotations
+
+import itertools
+
+import cupy
+import numpy as np
+import pytest
+
+import flashmla_cupy
+from flashmla_cupy import reference, scheduler
+from mla_inputs import make_inputs, poisoned, seed_seqlens
+
+pytestmark = pytest.mark.hopper
+
+# |out - ref| <= atol + rtol * |ref|: P and O are rounded to the input precision (bf16: 8 bits,
+# fp16: 11 bits of mantissa); lse is computed in fp32 from fp32 scores.
+OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3)}
+LSE_TOL = (1e-3, 1e-5)
+
+
+def run_kernel(inp, causal, softmax_scale=None):
+    metadata, num_splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, inp.s_q * inp.h_q // inp.h_kv, inp.h_kv)
+    b = len(inp.seqlens)
+    out = poisoned((b, inp.s_q, inp.h_q, 512), inp.q.dtype)
+    lse = poisoned((b, inp.h_q, inp.s_q), np.float32)
+    res = flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                               metadata, num_splits, softmax_scale=softmax_scale,
+                                               causal=causal, out=out, lse=lse)
+    assert res[0] is out and res[1] is lse
+    return out, lse
+
+
+def check_against_reference(inp, out, lse, causal, dtype, softmax_scale=None):
+    ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                            softmax_scale=softmax_scale, causal=causal)
+    out64 = out.astype(np.float32).astype(np.float64)
+    lse64 = lse.astype(np.float64)
+    what = inp.describe() + f" causal={causal}"
+
+    assert bool(cupy.isfinite(out64).all()), f"non-finite out (unwritten or NaN leak): {what}"
+    assert bool((cupy.isinf(lse64) == cupy.isinf(ref_lse)).all()), f"+inf lse rows differ: {what}"
+    assert not bool(cupy.isnan(lse64).any()), f"NaN lse: {what}"
+    finite = cupy.isfinite(ref_lse)
+
+    atol, rtol = OUT_TOL[dtype]
+    out_excess = float(cupy.max(cupy.abs(out64 - ref_out) - (atol + rtol * cupy.abs(ref_out))))
+    assert out_excess <= 0, f"out error beyond {atol}+{rtol}|ref| by {out_excess:.3g}: {what}"
+    latol, lrtol = LSE_TOL
+    lse_err = cupy.where(finite, cupy.abs(lse64 - ref_lse) - (latol + lrtol * cupy.abs(ref_lse)), 0)
+    assert float(lse_err.max()) <= 0, f"lse error beyond tolerance by {float(lse_err.max()):.3g}: {what}"
+
+    cos_out = reference.cos_diff(out64, ref_out)
+    cos_lse = reference.cos_diff(cupy.where(finite, lse64, 0), cupy.where(finite, ref_lse, 0))
+    assert cos_out < 1e-5 and cos_lse < 1e-5, f"cos_diff out {cos_out:.3g} lse {cos_lse:.3g}: {what}"
+
+
+# --- FlashMLA's own test grid: b = 128, causal, h_kv = 1 ------------------------------------
+
+SEED_GRID = list(itertools.product([4096, 8192, 16384], [16, 32, 64, 128], [1, 2], [False, True], ["bf16", "fp16"]))
+
+
+@pytest.mark.parametrize("mean_sk,h_q,s_q,varlen,dtype", SEED_GRID,
+                         ids=[f"sk{a}-hq{b}-sq{c}-{'var' if d else 'fix'}-{e}" for a, b, c, d, e in SEED_GRID])
+def test_seed_grid(mean_sk, h_q, s_q, varlen, dtype):
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 128, mean_sk, s_q, varlen), s_q, h_q, 1, dtype)
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, dtype)
+
+
+# --- small and odd shapes ----------------------------------------------------------------------
+
+def _small_cases():
+    cases = []
+    for b, seqlen in itertools.product([1, 2, 7], [1, 63, 64, 65, 1000]):
+        for (h_q, h_kv), s_q in itertools.product([(1, 1), (16, 1), (128, 1), (16, 2), (2, 2)], [1, 2, 4]):
+            cases.append((b, seqlen, h_q, h_kv, s_q))
+    return cases
+
+
+SMALL = _small_cases()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,seqlen,h_q,h_kv,s_q", SMALL, ids=[f"b{a}-sk{b}-hq{c}-hkv{d}-sq{e}" for a, b, c, d, e in SMALL])
+def test_small_shapes(b, seqlen, h_q, h_kv, s_q, causal, dtype):
+    rng = np.random.default_rng()
+    # Vary lengths around the nominal one, including 0 where the batch allows.
+    seqlens = np.maximum(seqlen - rng.integers(0, 3, b) * (seqlen // 3), 1)
+    if b > 2:
+        seqlens[rng.integers(b)] = 0
+    inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
+    out, lse = run_kernel(inp, causal)
+    check_against_reference(inp, out, lse, causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_empty_requests_and_short_causal(dtype):
+    """seqlen 0 gives out = 0, lse = +inf; causal rows that see nothing likewise."""
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, [0, 1, 0, 2, 130, 0], 4, 16, 1, dtype)
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, dtype)
+    assert bool((out[0] == 0).all()) and bool(cupy.isinf(lse[0]).all())
+
+
+def test_softmax_scale_and_deterministic():
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, rng.integers(1, 3000, 37), 2, 64, 1, "bf16")
+    first = run_kernel(inp, causal=True, softmax_scale=0.1)
+    check_against_reference(inp, *first, True, "bf16", softmax_scale=0.1)
+    for _ in range(3):
+        again = run_kernel(inp, causal=True, softmax_scale=0.1)
+        assert bool((again[0].view(np.uint16) == first[0].view(np.uint16)).all())
+        assert bool((again[1].view(np.uint32) == first[1].view(np.uint32)).all())
+
+
+def test_long_and_skewed_batch():
+    """One very long request among short ones: it is split over many SM parts (combine path)."""
+    rng = np.random.default_rng()
+    seqlens = rng.integers(1, 200, 16)
+    seqlens[3] = 70000
+    inp = make_inputs(rng, seqlens, 1, 128, 1, "bf16")
+    out, lse = run_kernel(inp, causal=False)
+    check_against_reference(inp, out, lse, False, "bf16")
+
+
+# --- the scheduler kernel ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("trial", range(20))
+def test_scheduler_kernel_matches_model(trial):
+    rng = np.random.default_rng()
+    batch = int(rng.integers(1, 400))
+    seqlens = rng.integers(0, 20000, batch).astype(np.int32)
+    if trial % 4 == 0:
+        seqlens[:] = rng.integers(0, 3)
+    h_q, s_q, h_kv = [(16, 1, 1), (128, 2, 1), (64, 1, 2), (1, 1, 1)][trial % 4]
+    metadata, num_splits = flashmla_cupy.get_mla_metadata(cupy.asarray(seqlens), s_q * h_q // h_kv, h_kv)
+    sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    parts = scheduler.num_sm_parts(sm_count, s_q * h_q // h_kv, h_kv)
+    want_meta, want_splits = scheduler.schedule(seqlens, parts)
+    np.testing.assert_array_equal(cupy.asnumpy(metadata), want_meta)
+    np.testing.assert_array_equal(cupy.asnumpy(num_splits), want_splits)
+

@@ -1,0 +1,231 @@
+"""CPU tests of the tile-scheduler model (flashmla_cupy.scheduler).
+
+Random batches are scheduled and the result is checked against what the split-KV and combine
+kernels rely on: every page of every request processed exactly once, in order; split counts and
+split indices consistent; every part within its payload, and all but the last busy part nearly
+full. Two small schedules are worked out by hand. (tests/test_mla.py compares the model with the
+metadata kernel on the GPU.) Each test draws a fresh seed, printed (pytest shows it on failure);
+``FLASHMLA_CUPY_TEST_SEED`` replays one.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from flashmla_cupy import scheduler
+from flashmla_cupy.scheduler import FIXED_OVERHEAD_BLOCKS as OVERHEAD
+from flashmla_cupy.scheduler import PAGE_BLOCK_SIZE as PAGE
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("FLASHMLA_CUPY_TEST_SEED", np.random.SeedSequence().entropy))
+    print(f"seed: FLASHMLA_CUPY_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+def check_schedule(seqlens, parts, metadata, num_splits):
+    """Assert every invariant of a schedule of `seqlens` over `parts` parts."""
+    seqlens = np.asarray(seqlens)
+    batch = len(seqlens)
+    pages = -(-seqlens // PAGE)
+    payload = scheduler.payload(seqlens, parts)
+    what = f"batch {batch}, {parts} parts, payload {payload}, seqlens[:10] {seqlens[:10].tolist()}"
+
+    assert metadata.dtype == np.int32 and metadata.shape == (parts, scheduler.SCHED_META_INTS), what
+    assert num_splits.dtype == np.int32 and num_splits.shape == (batch + 1,), what
+    assert (metadata[:, 5:] == 0).all(), what
+
+    items = scheduler.parts_work(metadata, seqlens)
+    by_request = [[] for _ in range(batch)]
+    for item in items:
+        by_request[item.request].append(item)
+
+    # The parts walk the batch in order: (request, first page) strictly increases.
+    walk = [(item.request, item.first_page) for item in items]
+    assert walk == sorted(set(walk)), what
+    assert [item.part for item in items] == sorted(item.part for item in items), what
+
+    for i, pieces in enumerate(by_request):
+        # Every page exactly once: the pieces tile [0, pages) in part order, none empty
+        # (a request of length 0 is one piece without pages: its output is still written).
+        assert pieces, f"request {i} unscheduled: {what}"
+        assert pieces[0].first_page == 0 and pieces[-1].end_page == pages[i], f"request {i}: {what}"
+        for before, after in zip(pieces, pieces[1:]):
+            assert before.end_page == after.first_page and before.part < after.part, f"request {i}: {what}"
+        assert all(p.pages > 0 for p in pieces) or (pages[i] == 0 and len(pieces) == 1), f"request {i}: {what}"
+        # Splits: numbered 0, 1, ... in part order; num_splits counts them (1 if never split).
+        assert [p.split for p in pieces] == list(range(len(pieces))), f"request {i}: {what}"
+        assert num_splits[i + 1] - num_splits[i] == len(pieces), f"request {i}: {what}"
+    assert num_splits[0] == 0 and num_splits[-1] == len(items), what
+    # The split workspace of flash_mla_with_kvcache has batch + num_sm_parts entries.
+    assert len(items) <= batch + parts - 1, what
+
+    busy = sorted({item.part for item in items})
+    assert busy == list(range(len(busy))), f"idle parts before busy ones: {what}"
+    for part in range(parts):
+        begin_req, begin_token, end_req, end_token, begin_split = metadata[part, :5]
+        if part in busy:
+            # begin_split counts the pieces of begin_req that earlier parts took.
+            earlier = sum(p.part < part for p in by_request[begin_req])
+            assert begin_split == earlier, f"part {part}: {what}"
+        else:
+            # Idle: past the last request, as the kernel writes it.
+            assert (begin_req, begin_token, end_req, end_token, begin_split) == \
+                   (batch, 0, batch - 1, seqlens[-1], 0), f"part {part}: {what}"
+    # The walk finished: the last busy part ends with the end of the last request.
+    assert tuple(metadata[busy[-1], 2:4]) == (batch - 1, seqlens[-1]), what
+
+    # Balance: no part over the payload; a part stops early only when the next piece would
+    # cost no more than the overhead, so all but the last busy part are nearly full.
+    costs = scheduler.part_costs(metadata, seqlens)
+    assert costs.max() <= payload, what
+    assert (costs[busy[:-1]] >= payload - OVERHEAD).all(), f"costs {costs.tolist()}: {what}"
+
+
+def random_seqlens(rng, kind):
+    batch = int(rng.integers(1, 301))
+    if kind == "uniform":
+        return rng.integers(0, 20001, batch)
+    if kind == "zeros":
+        return np.zeros(batch, dtype=np.int64)
+    if kind == "tiny":
+        return rng.integers(0, 4, batch)
+    if kind == "pages":                       # exact multiples of the page size, and +-1
+        return np.maximum(rng.integers(0, 300, batch) * PAGE + rng.integers(-1, 2, batch), 0)
+    if kind == "one_huge":
+        return np.array([int(rng.integers(1, 20001))])
+    if kind == "huge_among_small":
+        seqlens = rng.integers(0, 200, batch)
+        seqlens[rng.integers(batch)] = 20000
+        return seqlens
+    raise ValueError(kind)
+
+
+KINDS = ["uniform", "zeros", "tiny", "pages", "one_huge", "huge_among_small"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_schedules(rng, kind):
+    for _ in range(60):
+        seqlens = random_seqlens(rng, kind).astype(np.int32)
+        parts = int(rng.choice([1, 2, 132, *rng.integers(1, 133, 3)]))
+        metadata, num_splits = scheduler.schedule(seqlens, parts)
+        check_schedule(seqlens, parts, metadata, num_splits)
+
+
+def test_hand_worked_example():
+    """seqlens [100, 0, 1000, 64] over 3 parts.
+
+    Pages 2, 0, 16, 1; costs (pages + 5) 7, 5, 21, 6; total 39; payload max(ceil(39/3) + 5, 10) = 18.
+    Part 0: request 0 (7, budget 11 left), request 1 (5, 6 left), then request 2 does not fit:
+            6 - 5 = 1 page of it (split 0). Ends at token 64 of request 2.
+    Part 1: the rest of request 2 (15 pages + 5 > 18): 18 - 5 = 13 pages, pages 1..13 (split 1).
+    Part 2: request 2's last 2 pages (7, split 2; it has 3 splits), request 3 (6). Done.
+    num_splits: 1, 1, 3, 1 splits -> prefix sums [0, 1, 2, 5, 6].
+    """
+    seqlens = [100, 0, 1000, 64]
+    assert scheduler.payload(seqlens, 3) == 18
+    metadata, num_splits = scheduler.schedule(seqlens, 3)
+    np.testing.assert_array_equal(metadata, [[0, 0, 2, 64, 0, 0, 0, 0],
+                                             [2, 64, 2, 14 * 64, 1, 0, 0, 0],
+                                             [2, 14 * 64, 3, 64, 2, 0, 0, 0]])
+    np.testing.assert_array_equal(num_splits, [0, 1, 2, 5, 6])
+    W = scheduler.WorkItem
+    assert scheduler.parts_work(metadata, seqlens) == [
+        W(0, 0, 0, 2, 0), W(0, 1, 0, 0, 0), W(0, 2, 0, 1, 0),
+        W(1, 2, 1, 14, 1),
+        W(2, 2, 14, 16, 2), W(2, 3, 0, 1, 0)]
+    np.testing.assert_array_equal(scheduler.part_costs(metadata, seqlens), [18, 18, 13])
+    check_schedule(np.array(seqlens), 3, metadata, num_splits)
+
+
+def test_hand_worked_idle_parts():
+    """One request of one page over 3 parts: cost 6, payload max(2 + 5, 10) = 10. Part 0 takes
+    it whole; parts 1 and 2 are idle: begin at request 1 (= batch), end at request 0's end."""
+    assert scheduler.payload([64], 3) == 10
+    metadata, num_splits = scheduler.schedule([64], 3)
+    np.testing.assert_array_equal(metadata, [[0, 0, 0, 64, 0, 0, 0, 0],
+                                             [1, 0, 0, 64, 0, 0, 0, 0],
+                                             [1, 0, 0, 64, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(num_splits, [0, 1])
+
+
+def test_hand_worked_payload_floor():
+    """One request of 1280 tokens (20 pages, cost 25) over 8 parts: ceil(25/8) + 5 = 9 is below
+    the floor 2 * 5, so the payload is 10 and each part takes 10 - 5 = 5 pages: three splits of 5
+    pages, then the last 5 pages fit whole (5 + 5 <= 10). 4 splits; parts 4..7 idle."""
+    assert scheduler.payload([1280], 8) == 10
+    metadata, num_splits = scheduler.schedule([1280], 8)
+    np.testing.assert_array_equal(metadata[:, :5], [[0, 0, 0, 320, 0], [0, 320, 0, 640, 1],
+                                                    [0, 640, 0, 960, 2], [0, 960, 0, 1280, 3]]
+                                  + [[1, 0, 0, 1280, 0]] * 4)
+    np.testing.assert_array_equal(num_splits, [0, 4])
+
+
+def test_check_schedule_catches_corruption(rng):
+    """The invariant checker above fails on schedules that are wrong in each way it guards."""
+    seqlens = rng.integers(500, 5000, 40).astype(np.int32)
+    metadata, num_splits = scheduler.schedule(seqlens, 16)
+    check_schedule(seqlens, 16, metadata, num_splits)
+    cut = next(p for p in range(15) if metadata[p, 3] % PAGE == 0 and metadata[p, 2] == metadata[p + 1, 0])
+
+    def corrupted(part, column, delta):
+        bad = metadata.copy()
+        bad[part, column] += delta
+        return bad
+
+    for bad_metadata in (corrupted(cut, 3, PAGE),           # a page processed twice
+                         corrupted(cut + 1, 1, PAGE),       # a page skipped
+                         corrupted(cut + 1, 4, 1),          # wrong split index
+                         corrupted(15, 2, -1)):             # last request never finished
+        with pytest.raises(AssertionError):
+            check_schedule(seqlens, 16, bad_metadata, num_splits)
+    bad_splits = num_splits.copy()
+    bad_splits[5] += 1
+    with pytest.raises(AssertionError):
+        check_schedule(seqlens, 16, metadata, bad_splits)
+
+
+def test_hand_worked_equal_requests():
+    """128 requests of 4096 tokens on 66 parts (DeepSeek decode, h_q = 128, on an H100).
+
+    64 pages + 5 = 69 per request, total 8832, payload ceil(8832 / 66) + 5 = 139. Each part takes
+    two whole requests (138); the 1 left is below the overhead, so nothing is split and the
+    last 2 parts stay idle.
+    """
+    seqlens = np.full(128, 4096)
+    assert scheduler.payload(seqlens, 66) == 139
+    metadata, num_splits = scheduler.schedule(seqlens, 66)
+    parts = np.arange(64)
+    np.testing.assert_array_equal(metadata[:64, :5], np.stack(
+        [2 * parts, 0 * parts, 2 * parts + 1, 0 * parts + 4096, 0 * parts], axis=1))
+    np.testing.assert_array_equal(metadata[64:, :5], [[128, 0, 127, 4096, 0]] * 2)
+    np.testing.assert_array_equal(num_splits, np.arange(129))
+    np.testing.assert_array_equal(scheduler.part_costs(metadata, seqlens), [138] * 64 + [0, 0])
+    check_schedule(seqlens, 66, metadata, num_splits)
+
+
+@pytest.mark.parametrize("sm_count,heads_per_kv,h_kv,want", [
+    (132, 128, 1, 66),     # H100, DeepSeek TP 1, s_q = 1: two query blocks per kv head
+    (132, 16, 1, 132),
+    (132, 256, 1, 33),     # s_q = 2 x 128 heads
+    (132, 64, 2, 66),
+    (132, 65, 1, 66),      # a partial query block counts as a block
+    (78, 64, 100, 1),      # never 0 parts
+])
+def test_num_sm_parts(sm_count, heads_per_kv, h_kv, want):
+    assert scheduler.num_sm_parts(sm_count, heads_per_kv, h_kv) == want
+
+
+def test_schedule_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        scheduler.schedule([], 4)
+    with pytest.raises(ValueError):
+        scheduler.schedule([10, -1], 4)
+    with pytest.raises(ValueError):
+        scheduler.schedule([10], 0)
+    with pytest.raises(ValueError):
+        scheduler.schedule([2**30] * 200, 4)     # the kernel's int32 cost sum would overflow
