@@ -76,7 +76,7 @@ def flash_attn_minimal(q, k, v, causal=False, softmax_scale=None, return_lse=Fal
 
     Args:
         q, k, v: float32 device arrays ``[B, H, N, d]`` of one shape, ``1 <= d <= 128``,
-            ``1 <= B, H <= 65535``, ``1 <= N < 2**31 - 32``, on CuPy's current device.
+            ``1 <= B, H <= 65535``, ``1 <= N <= 2**31 - 32``, on CuPy's current device.
         causal: if True, query ``i`` attends to keys ``j <= i`` only.
         softmax_scale: factor applied to ``Q K^T`` before the softmax; default ``1 / sqrt(d)``.
         return_lse: also return the log-sum-exp of each row's scaled scores.
@@ -176,7 +176,7 @@ def _as_device_array(x, name: str) -> cupy.ndarray:
     if hasattr(x, "__cuda_array_interface__"):
         return cupy.asarray(x)
     if hasattr(x, "__dlpack__"):
-        device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
+        device_type = int(x.__dlpack_device__()[0]) if hasattr(x, "__dlpack_device__") else None
         if device_type not in _DLPACK_CUDA_DEVICES:
             raise TypeError(f"{expected}; got a {type(x).__name__} whose DLPack device type is "
                             f"{device_type} (not CUDA memory)")
@@ -197,7 +197,7 @@ def _checked_softmax_scale(softmax_scale, head_dim: int) -> float:
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None; "
                         f"got {type(softmax_scale).__name__} {softmax_scale!r}")
-    if not abs(softmax_scale) <= np.finfo(np.float32).max:     # also rejects NaN
+    if not abs(softmax_scale) <= float(np.finfo(np.float32).max):     # also rejects NaN
         raise ValueError(f"softmax_scale must be finite in float32; got {softmax_scale!r}")
     return float(softmax_scale)
 

@@ -64,6 +64,14 @@ def from_float32(x, dtype):
     return x.astype(dtype)
 
 
+def _gather(k_cache, pages):
+    """``k_cache[pages]``; bf16 gathered as its 16-bit patterns (no bf16 indexing kernel needed)."""
+    if is_bfloat16(k_cache.dtype):
+        xp = _xp(k_cache)
+        return k_cache.view(xp.uint16)[pages].view(k_cache.dtype)
+    return k_cache[pages]
+
+
 @dataclass(frozen=True)
 class _Chunk:
     begin: int
@@ -109,11 +117,15 @@ class PagedMLA:
         offset = (s_q - 1 - j) if causal else np.zeros_like(j)
         self._limits = []      # [bc, 1, rows, 1]: keys visible to each query row
         self._lengths = []     # [bc, 1, 1, 1]: cache length of each request
+        self._own_pages = []   # [bc, pages]: block-table columns that hold the request's pages
         for c in self.chunks:
             bc = c.end - c.begin
-            lim = seqlens[c.begin:c.end, None] - offset[None, :]              # [bc, rows]
+            lens = seqlens[c.begin:c.end]
+            lim = lens[:, None] - offset[None, :]                             # [bc, rows]
             self._limits.append(xp.asarray(lim.reshape(bc, 1, self.rows, 1)))
-            self._lengths.append(xp.asarray(seqlens[c.begin:c.end].reshape(bc, 1, 1, 1)))
+            self._lengths.append(xp.asarray(lens.reshape(bc, 1, 1, 1)))
+            own = np.arange(c.num_pages)[None, :] < -(-lens[:, None] // page_block)
+            self._own_pages.append(xp.asarray(own))
         self._positions = {}
 
     def _plan(self, seqlens: np.ndarray, workspace_bytes: int) -> list[_Chunk]:
@@ -149,8 +161,8 @@ class PagedMLA:
         out_dtype = self.out_dtype or (self.compute_dtype if exact else q.dtype)
         out = xp.empty((b, s_q, h_q, self.dv), dtype=out_dtype)
         lse = xp.empty((b, h_q, s_q), dtype=self.compute_dtype if exact else np.float32)
-        for c, limit, length in zip(self.chunks, self._limits, self._lengths):
-            o, l = self._chunk(q, k_cache, c, limit, length)
+        for c, limit, length, own in zip(self.chunks, self._limits, self._lengths, self._own_pages):
+            o, l = self._chunk(q, k_cache, c, limit, length, own)
             if is_bfloat16(out_dtype):
                 out.view(xp.uint16)[c.begin:c.end] = from_float32(o, out_dtype).view(xp.uint16)
             else:
@@ -158,15 +170,16 @@ class PagedMLA:
             lse[c.begin:c.end] = l
         return out, lse
 
-    def _chunk(self, q, k_cache, c: _Chunk, limit, length):
+    def _chunk(self, q, k_cache, c: _Chunk, limit, length, own):
         xp, cd = self.xp, self.compute_dtype
         bc, h_kv, rows, d = c.end - c.begin, self.h_kv, self.rows, self.d
         keys = c.num_pages * self.page_block
         qc = to_compute(q[c.begin:c.end], cd)                                  # [bc, s_q, h_q, d]
         qc = qc.reshape(bc, self.s_q, h_kv, self.heads_per_kv, d).transpose(0, 2, 1, 3, 4)
         qc = qc.reshape(bc, h_kv, rows, d)                                    # row = (query, head)
-        pages = self.block_table[c.begin:c.end, :c.num_pages]
-        kv = to_compute(k_cache[pages], cd)                                   # [bc, pages, blk, h_kv, d]
+        # Columns past a request's own pages may hold anything: gather page 0 there (masked below).
+        pages = xp.where(own, self.block_table[c.begin:c.end, :c.num_pages], 0)
+        kv = to_compute(_gather(k_cache, pages), cd)                          # [bc, pages, blk, h_kv, d]
         kv = kv.reshape(bc, keys, h_kv, d).transpose(0, 2, 1, 3)              # [bc, h_kv, keys, d]
         kv = xp.ascontiguousarray(kv)
         pos = self._pos(keys)

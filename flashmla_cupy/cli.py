@@ -137,6 +137,19 @@ def main(argv: list[str] | None = None) -> int:
 # profile
 # --------------------------------------------------------------------------------------------
 
+def _console(stderr: bool = False):
+    """A rich console; when the stream is not a terminal (logs, pipes) and COLUMNS is unset, 160
+    columns wide instead of rich's 80, so that the tables keep their shape in captured output."""
+    import os
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    width = None if tty or os.environ.get("COLUMNS") else 160
+    return Console(stderr=stderr, width=width)
+
+
 def _fail(command: str, message: str) -> SystemExit:
     return SystemExit(f"flashmla-cupy {command}: {message}")
 
@@ -166,8 +179,6 @@ def _attention_shapes(args):
 
 
 def cmd_profile(args) -> int:
-    from rich.console import Console
-
     from .profiler import report, runner, targets
     from .profiler.env import NoGPU, environment
 
@@ -186,15 +197,16 @@ def cmd_profile(args) -> int:
     names = [main_t] + ([baseline] if baseline else [])
     config = runner.RunConfig(targets=names, baseline=baseline, repeats=args.repeats, warmup=args.warmup,
                               budget_s=args.budget, graph=args.graph, flush_l2=args.flush, check=args.check,
-                              seed=args.seed, device=args.device, measure_ceilings=args.ceilings)
+                              seed=args.seed, device=args.device, measure_ceilings=args.ceilings,
+                              matmul_dtype="bf16" if kind == "mla" else "fp32")
     try:
         gpu = runner.require_device(config, need_hopper=(kind == "mla"))
     except NoGPU as e:
         raise _fail("profile", f"{e}. `flashmla-cupy info` shows the environment; "
                                "`flashmla-cupy compile --arch sm_90a` builds the kernels without a GPU.") from None
 
-    out = Console()
-    err = Console(stderr=True)
+    out = _console()
+    err = _console(stderr=True)
     env = environment(args.device)
     report.print_header(out, report.header_lines(env, runner.method_description(
         config, _FlushInfo(gpu) if args.flush else None, kind), kind=kind, seed=args.seed))
@@ -212,9 +224,10 @@ def cmd_profile(args) -> int:
     title = (f"MLA decoding, {shape_list[0].dtype}, {'causal' if shape_list[0].causal else 'non-causal'}, "
              f"h_kv {shape_list[0].h_kv}" if kind == "mla" else "attention, float32")
     others = [n for n in names if n != main_t]
-    table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others,
-                                         check=args.check, title=title)
+    table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others, title=title)
     out.print(table)
+    if args.check:
+        out.print(report.check_table(result.records, kind=kind, targets=names))
     for e in errors:
         out.print(f"[red]error[/] {e}", highlight=False)
     for n, why in result.skipped_targets.items():
@@ -295,14 +308,13 @@ def _export(args, kind, result, env, config, out) -> None:
 # --------------------------------------------------------------------------------------------
 
 def cmd_compile(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from . import compiler
     from .profiler import build
 
-    out = Console()
-    err = Console(stderr=True)
+    out = _console()
+    err = _console(stderr=True)
     if args.arch:
         arch, source = args.arch, "--arch"
     else:
@@ -378,12 +390,11 @@ def info_data() -> dict:
 
 
 def cmd_info(args) -> int:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     data = info_data()
-    out = Console()
+    out = _console()
     if args.json:
         import json
         out.print_json(json.dumps(data, default=str))

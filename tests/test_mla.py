@@ -15,7 +15,7 @@ import pytest
 
 import flashmla_cupy
 from flashmla_cupy import reference, scheduler
-from mla_inputs import make_inputs, poisoned, seed_seqlens
+from flashmla_cupy.testing import make_inputs, poisoned, seed_seqlens
 
 pytestmark = pytest.mark.hopper
 

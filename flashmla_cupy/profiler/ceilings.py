@@ -5,7 +5,8 @@
   output written).
 * Matrix throughput: an 8192³ product through cuBLAS (``cublasGemmEx``) in bf16 with float32
   accumulation, on random data; fp16 through ``cupy.matmul`` where bf16 cannot be had. The dtype
-  and the path used are recorded in ``Ceilings.matmul_method``.
+  and the path used are recorded in ``Ceilings.matmul_method``. The attention profile (float32
+  kernels) measures a float32 product instead.
 
 ``classify`` is pure: it compares the time the bytes need at the copy ceiling with the time the
 FLOPs need at the matmul ceiling, and reports the larger one as the bound.
@@ -96,7 +97,6 @@ def measure_copy(stream, nbytes: int = 1 << 30, repeats: int = 20, warmup: int =
         cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, kind, stream.ptr)
 
     ms = statistics.median(time_event_region(copy, stream=stream, repeats=repeats, warmup=warmup))
-    del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -133,7 +133,6 @@ def _gemm_ex(n: int, dtype_code: int, stream, repeats: int, warmup: int) -> floa
         ms = statistics.median(time_event_region(gemm, stream=stream, repeats=repeats, warmup=warmup))
     finally:
         cublas.setPointerMode(handle, mode)
-    del a, b, c
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
@@ -147,12 +146,32 @@ def _matmul_fp16(n: int, stream, repeats: int, warmup: int) -> float:
     c = cupy.empty((n, n), dtype=cupy.float16)
     ms = statistics.median(time_event_region(lambda: cupy.matmul(a, b, out=c), stream=stream,
                                              repeats=repeats, warmup=warmup))
-    del a, b, c
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def measure_matmul(stream, n: int = 8192, repeats: int = 20, warmup: int = 3) -> tuple[float, str]:
-    """(TFLOP/s, how): bf16 cublasGemmEx, else fp16 cupy.matmul (both float32 accumulation)."""
+def _matmul_fp32(n: int, stream, repeats: int, warmup: int) -> float:
+    import cupy
+
+    from .timing import time_event_region
+
+    gen = cupy.random.RandomState(1)
+    a = gen.standard_normal((n, n), dtype=cupy.float32)
+    b = gen.standard_normal((n, n), dtype=cupy.float32)
+    c = cupy.empty((n, n), dtype=cupy.float32)
+    ms = statistics.median(time_event_region(lambda: cupy.matmul(a, b, out=c), stream=stream,
+                                             repeats=repeats, warmup=warmup))
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def measure_matmul(stream, n: int = 8192, repeats: int = 20, warmup: int = 3,
+                   dtype: str = "bf16") -> tuple[float, str]:
+    """(TFLOP/s, how): bf16 cublasGemmEx, else fp16 cupy.matmul (both float32 accumulation);
+    ``dtype="fp32"``: float32 cupy.matmul (the roof of float32 attention kernels)."""
+    if dtype == "fp32":
+        import os
+        tf32 = os.environ.get("CUPY_TF32", "0") not in ("", "0")
+        return _matmul_fp32(n, stream, max(repeats // 4, 3), 1), \
+            f"cupy.matmul fp32 {n}³ ({'TF32 on: CUPY_TF32 set' if tf32 else 'no TF32'}), random data"
     errors = []
     try:
         return _gemm_ex(n, CUDA_R_16BF, stream, repeats, warmup), \
@@ -167,7 +186,7 @@ def measure_matmul(stream, n: int = 8192, repeats: int = 20, warmup: int = 3) ->
     raise RuntimeError("; ".join(errors))
 
 
-def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> Ceilings:
+def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192, matmul_dtype: str = "bf16") -> Ceilings:
     """Both ceilings; a failure leaves that ceiling ``None`` with the reason in ``notes``."""
     import cupy
 
@@ -182,7 +201,7 @@ def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> Ceili
         c.notes.append(f"matmul ceiling not measured: {why}")
     else:
         try:
-            c.matmul_tflops, c.matmul_method = measure_matmul(stream, matmul_n)
+            c.matmul_tflops, c.matmul_method = measure_matmul(stream, matmul_n, dtype=matmul_dtype)
         except Exception as e:  # noqa: BLE001
             c.notes.append(f"matmul ceiling not measured: {e}")
     cupy.get_default_memory_pool().free_all_blocks()

@@ -67,11 +67,13 @@ def roof_style(frac) -> str:
 
 
 def bound_cell(rec: dict) -> str:
+    """``memory 79%``: the roof that bounds the shape and how close the measured time comes to it."""
     kind, frac = rec.get("bound"), rec.get("roof_fraction")
     if not kind or kind == "?":
         return "–"
     style = roof_style(frac)
-    return f"[{style}]{kind} {fmt_pct(frac)}[/]" if style else f"{kind} {fmt_pct(frac)}"
+    text = f"{kind:<7} {fmt_pct(frac):>4}"
+    return f"[{style}]{text}[/]" if style else text
 
 
 def describe_ceilings(c: Ceilings) -> list[str]:
@@ -123,15 +125,17 @@ def header_lines(env: dict, method: dict | None, *, kind: str, seed: int | None,
     if seed is not None:
         if kind == "mla":
             rows.append(("Seed", f"{seed} (cache lengths: random.Random({seed}).normalvariate(mean, mean/2), "
-                                 f"at least s_q, in grid order, as the seed's test; data: CuPy RNG)"))
+                                 f"at least s_q, in grid order, as the seed's test; data: CuPy RNG seeded "
+                                 f"{seed} + shape index)"))
         else:
-            rows.append(("Seed", f"{seed} (data: CuPy RNG, standard normal)"))
+            rows.append(("Seed", f"{seed} (data: CuPy RNG seeded {seed} + shape index, standard normal)"))
     if kind == "mla":
         rows.append(("Formulas", "FLOPs = 2·s_q·Σseqlen·h_q·(576+512); "
                                  "bytes = 2·(Σseqlen·h_kv·576 + b·s_q·h_q·576 + b·s_q·h_q·512); "
                                  "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling"))
     else:
-        rows.append(("Formulas", "FLOPs = 4·B·H·N²·d (halved if causal); bytes = 4·(4·B·H·N·d), float32"))
+        rows.append(("Formulas", "FLOPs = 4·B·H·N²·d (halved if causal); bytes = 4·(4·B·H·N·d), float32; "
+                                 "bound: larger of bytes/copy-ceiling and FLOPs/fp32-matmul-ceiling"))
     return rows
 
 
@@ -146,19 +150,19 @@ def print_header(console, rows: list[tuple[str, str]]) -> None:
     console.print(t)
 
 
-def _shape_columns(kind: str) -> list[tuple[str, callable, dict]]:
+def _shape_columns(kind: str) -> list[tuple[str, callable]]:
     if kind == "mla":
         return [
-            ("b", lambda r: str(r["batch"]), {"justify": "right"}),
-            ("s_k", lambda r: f"{r['mean_seqlen']}" + ("~" if r.get("varlen") else ""), {"justify": "right"}),
-            ("h_q", lambda r: str(r["h_q"]), {"justify": "right"}),
-            ("s_q", lambda r: str(r["s_q"]), {"justify": "right"}),
+            ("b", lambda r: str(r["batch"])),
+            ("s_k", lambda r: f"{r['mean_seqlen']}" + ("~" if r.get("varlen") else "")),
+            ("h_q", lambda r: str(r["h_q"])),
+            ("s_q", lambda r: str(r["s_q"])),
         ]
     return [
-        ("B", lambda r: str(r["batch"]), {"justify": "right"}),
-        ("H", lambda r: str(r["heads"]), {"justify": "right"}),
-        ("N", lambda r: str(r["seqlen"]), {"justify": "right"}),
-        ("d", lambda r: str(r["head_dim"]), {"justify": "right"}),
+        ("B", lambda r: str(r["batch"])),
+        ("H", lambda r: str(r["heads"])),
+        ("N", lambda r: str(r["seqlen"])),
+        ("d", lambda r: str(r["head_dim"])),
     ]
 
 
@@ -169,59 +173,95 @@ def group_by_shape(records: list[dict]) -> list[dict[str, dict]]:
     return [groups[k] for k in sorted(groups)]
 
 
-def results_table(records: list[dict], *, kind: str, main: str, others: list[str], check: bool,
-                  title: str | None = None):
-    """One row per shape: the main target's numbers, then each other target's time and speed-up."""
+def _table(title: str | None):
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title, header_style="bold", show_lines=False, pad_edge=False)
+    return Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+
+
+def fmt_spread(rec: dict) -> str:
+    """Half the p10–p90 width as a percentage of the median."""
+    m, lo, hi = rec.get("ms_median"), rec.get("ms_p10"), rec.get("ms_p90")
+    if not (_num(m) and _num(lo) and _num(hi)) or m <= 0:
+        return "–"
+    return f"±{50 * (hi - lo) / m:.1f}%"
+
+
+def results_table(records: list[dict], *, kind: str, main: str, others: list[str], check: bool = False,
+                  title: str | None = None):
+    """One row per shape: the main target's numbers, then each other target's time and speed-up.
+
+    Returns ``(table, error lines)``. ``check`` is accepted for symmetry; the errors against the
+    reference have their own table (``check_table``).
+    """
+    t = _table(title)
     shape_cols = _shape_columns(kind)
-    for name, _, kw in shape_cols:
-        t.add_column(name, **kw)
-    t.add_column(f"{main} ms", justify="right", style="bold")
-    t.add_column("p10–p90", justify="right", style="dim")
-    t.add_column("TFLOP/s", justify="right")
-    t.add_column("GB/s", justify="right")
-    t.add_column("% copy", justify="right")
-    t.add_column("% matmul", justify="right")
-    t.add_column("bound (of roof)", justify="left")
+    for name, _ in shape_cols:
+        t.add_column(name, justify="right", no_wrap=True)
+    t.add_column(f"{main}\nms", justify="right", style="bold", no_wrap=True)
+    t.add_column("p10–p90\n±", justify="right", style="dim", no_wrap=True)
+    t.add_column("TFLOP/s", justify="right", no_wrap=True)
+    t.add_column("GB/s", justify="right", no_wrap=True)
+    t.add_column("% of\ncopy", justify="right", no_wrap=True)
+    t.add_column("% of\nmatmul", justify="right", no_wrap=True)
+    t.add_column("bound\n(% of roof)", no_wrap=True)
     for o in others:
-        t.add_column(f"{o} ms", justify="right")
-        t.add_column("speed-up", justify="right")
-    if check:
-        t.add_column("cos_diff", justify="right")
-        t.add_column("max |Δ|", justify="right")
-        if kind == "mla":
-            t.add_column("lse cos_diff", justify="right")
+        t.add_column(f"{o}\nms", justify="right", no_wrap=True)
+        t.add_column("speed\nup", justify="right", no_wrap=True)
     errors = []
     for group in group_by_shape(records):
         any_rec = next(iter(group.values()))
         m = group.get(main, {})
-        cells = [f(any_rec) for _, f, _ in shape_cols]
+        cells = [f(any_rec) for _, f in shape_cols]
+        where = " ".join(f"{n}={c}" for (n, _), c in zip(shape_cols, cells))
         if m.get("error") or "ms_median" not in m:
-            errors.append(f"{main} at {' '.join(cells)}: {m.get('error', 'not run')}")
+            errors.append(f"{main} at {where}: {m.get('error', 'not run')}")
             cells += ["[red]error[/]", "", "", "", "", "", ""]
         else:
-            cells += [fmt_ms(m["ms_median"]), f"{fmt_ms(m['ms_p10'])}–{fmt_ms(m['ms_p90'])}",
-                      f"{m['tflops']:.0f}", f"{m['gbps']:.0f}",
+            cells += [fmt_ms(m["ms_median"]), fmt_spread(m), f"{m['tflops']:.0f}", f"{m['gbps']:.0f}",
                       fmt_pct(m.get("frac_copy_bw")), fmt_pct(m.get("frac_matmul")), bound_cell(m)]
         for o in others:
             r = group.get(o, {})
             if r.get("error"):
-                errors.append(f"{o} at {' '.join(cells[:len(shape_cols)])}: {r['error']}")
+                errors.append(f"{o} at {where}: {r['error']}")
                 cells += ["[red]error[/]", ""]
             else:
                 sp = m.get("speedup") if m.get("speedup_vs") == o else None
                 cells += [fmt_ms(r.get("ms_median")), f"{sp:.1f}×" if _num(sp) else "–"]
-        if check:
-            ok = m.get("check_ok")
-            style = "" if ok is None else ("green" if ok else "red")
-            cos, mae = fmt_sci(m.get("cos_diff_out")), fmt_sci(m.get("max_abs_out"))
-            cells += [f"[{style}]{cos}[/]" if style else cos, mae]
-            if kind == "mla":
-                cells.append(fmt_sci(m.get("cos_diff_lse")))
         t.add_row(*cells)
     return t, errors
+
+
+def check_table(records: list[dict], *, kind: str, targets: list[str], title: str | None = None):
+    """--check: per shape and target, cos_diff and max |error| against the float64 reference."""
+    from .runner import ATTENTION_MAX_ABS_LIMIT, COS_DIFF_LIMIT
+
+    limit = (f"pass: cos_diff < {COS_DIFF_LIMIT:g} for out and lse" if kind == "mla"
+             else f"pass: max |error| < {ATTENTION_MAX_ABS_LIMIT:g}")
+    t = _table(title or f"error against the float64 reference ({limit})")
+    shape_cols = _shape_columns(kind)
+    for name, _ in shape_cols:
+        t.add_column(name, justify="right", no_wrap=True)
+    for name in targets:
+        t.add_column(f"{name}\ncos_diff", justify="right", no_wrap=True)
+        t.add_column("max |Δ|", justify="right", no_wrap=True)
+        if kind == "mla":
+            t.add_column("lse\ncos_diff", justify="right", no_wrap=True)
+            t.add_column("lse\nmax |Δ|", justify="right", no_wrap=True)
+    for group in group_by_shape(records):
+        any_rec = next(iter(group.values()))
+        cells = [f(any_rec) for _, f in shape_cols]
+        for name in targets:
+            r = group.get(name, {})
+            ok = r.get("check_ok")
+            style = "" if ok is None else ("green" if ok else "red")
+            vals = [r.get("cos_diff_out"), r.get("max_abs_out")]
+            if kind == "mla":
+                vals += [r.get("cos_diff_lse"), r.get("max_abs_lse")]
+            cells += [f"[{style}]{fmt_sci(v)}[/]" if style else fmt_sci(v) for v in vals]
+        t.add_row(*cells)
+    return t
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,6 +309,14 @@ def _json_safe(x):
     return x
 
 
+def _json_default(x):
+    """NumPy scalars and paths, which ``json`` does not know."""
+    if hasattr(x, "item"):
+        v = x.item()
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return str(x)
+
+
 def json_payload(*, kind: str, records: list[dict], ceilings: Ceilings, method: dict | None,
                  environment: dict, config: dict, interrupted: bool = False) -> dict:
     return _json_safe({
@@ -288,7 +336,7 @@ def json_payload(*, kind: str, records: list[dict], ceilings: Ceilings, method: 
 def write_json(path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(payload, indent=2, allow_nan=False, default=_json_default) + "\n")
     return path
 
 
@@ -329,18 +377,18 @@ def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str
         series: dict[tuple, list[dict]] = {}
         for r in sub:
             series.setdefault((r["name"], r.get(colour_key), bool(r.get("varlen"))), []).append(r)
-        for (name, cv, varlen), rs in sorted(series.items(), key=lambda kv: str(kv[0])):
+        for (name, cv, varlen), rs in sorted(series.items(), key=lambda kv: (targets.index(kv[0][0]),
+                                                                              str(kv[0][1]).zfill(8), kv[0][2])):
             rs = sorted(rs, key=lambda r: r[x_key])
             xs = [r[x_key] for r in rs]
-            label = f"{name} {colour_label}={cv}" + (" varlen" if varlen else "")
             style = dict(color=colours.get(cv), marker=markers.get(name, "o"),
-                         linestyle="--" if varlen else "-", label=label)
+                         linestyle="--" if varlen else "-")
             axes[0][col].plot(xs, [r["gbps"] for r in rs], **style)
             axes[1][col].plot(xs, [r["tflops"] for r in rs], **style)
         if ceilings.copy_gbps:
-            axes[0][col].axhline(ceilings.copy_gbps, color="grey", linestyle=":", label="copy ceiling")
+            axes[0][col].axhline(ceilings.copy_gbps, color="grey", linestyle=":")
         if ceilings.matmul_tflops:
-            axes[1][col].axhline(ceilings.matmul_tflops, color="grey", linestyle=":", label="matmul ceiling")
+            axes[1][col].axhline(ceilings.matmul_tflops, color="grey", linestyle=":")
         suffix = f" (s_q = {panel})" if panel is not None else ""
         axes[0][col].set_title(f"bandwidth{suffix}")
         axes[1][col].set_title(f"throughput{suffix}")
@@ -350,10 +398,18 @@ def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str
             ax.set_xscale("log", base=2)
             ax.set_xlabel("mean cache length (tokens)" if kind == "mla" else "N (sequence length)")
             ax.grid(True, alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+    # One compact legend: colour = heads (or d), marker = target, line = fixed / varlen lengths.
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=colours[v], label=f"{colour_label}={v}") for v in colour_values]
+    handles += [Line2D([], [], color="black", marker=markers[t], linestyle="none", label=t) for t in targets]
+    if kind == "mla":
+        handles += [Line2D([], [], color="black", linestyle="-", label="fixed lengths"),
+                    Line2D([], [], color="black", linestyle="--", label="varlen")]
+    handles.append(Line2D([], [], color="grey", linestyle=":", label="measured ceiling"))
+    fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

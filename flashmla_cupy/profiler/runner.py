@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from . import ceilings as ceil_mod
 from . import shapes as shp
 from .env import NoGPU, _first_line
@@ -34,6 +36,7 @@ class RunConfig:
     seed: int = 0
     device: int = 0
     measure_ceilings: bool = True
+    matmul_dtype: str = "bf16"          # the matmul ceiling's dtype: bf16 (MLA) or fp32 (attention)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +53,8 @@ class RunResult:
 
 
 def method_description(config: RunConfig, flush: L2Flush | None, kind: str) -> dict:
-    what = ("whole call: split-KV + combine kernels; metadata computed once beforehand"
+    what = ("whole call: split-KV + combine kernels (host value checks off); metadata computed once "
+            "beforehand"
             if kind == "mla" else "whole call of each implementation (outputs allocated inside)")
     timing = ("CUDA events around each replay of a CUDA graph captured from one call"
               if config.graph else "CUDA events around each call, runs enqueued back to back")
@@ -210,7 +214,7 @@ class CudaSession:
     def ceilings(self) -> ceil_mod.Ceilings:
         if not self.config.measure_ceilings:
             return ceil_mod.Ceilings(notes=["not measured (--no-ceilings)"])
-        return ceil_mod.measure(self.stream)
+        return ceil_mod.measure(self.stream, matmul_dtype=self.config.matmul_dtype)
 
     def time(self, fn) -> list[float]:
         c = self.config
@@ -218,10 +222,11 @@ class CudaSession:
                          graph=c.graph, budget_s=c.budget_s)
 
     def free(self) -> None:
+        import cupy
+
         from .inputs import free_gpu_memory
 
-        if self.stream is not None:
-            self.stream.synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
         free_gpu_memory()
 
 
@@ -247,7 +252,18 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
         try:
             for i, shape in enumerate(shape_list):
                 on_progress(f"{shape.label()}: inputs")
-                inp = work.make_inputs(shape, seed=config.seed + i)
+                flops, nbytes = work.flops(shape), work.nbytes(shape)
+                try:
+                    inp = work.make_inputs(shape, seed=config.seed + i)
+                except Exception as e:  # noqa: BLE001 - out of memory, most likely: next shape
+                    on_note(f"{shape.label()}: inputs failed: {_first_line(e)}")
+                    for t in targets:
+                        records.append({"name": t.name, **work.fields(shape), "shape_index": i, "flops": flops,
+                                        "bytes": nbytes, "graph": config.graph,
+                                        "error": f"inputs: {_first_line(e)}"})
+                        on_record(records[-1])
+                    dev.free()
+                    continue
                 ref = None
                 if config.check:
                     on_progress(f"{shape.label()}: float64 reference")
@@ -255,7 +271,6 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
                         ref = work.reference(inp)
                     except Exception as e:  # noqa: BLE001
                         on_note(f"{shape.label()}: reference failed: {_first_line(e)}")
-                flops, nbytes = work.flops(shape), work.nbytes(shape)
                 for t in targets:
                     on_progress(f"{shape.label()}: {t.name}")
                     records.append(_measure_target(t, inp, ref, work, dev, c, config, i, shape,
@@ -293,14 +308,13 @@ def _measure_target(t: Target, inp, ref, work: Workload, dev, c: ceil_mod.Ceilin
 
 def _attention_reference(inp, max_bytes: int = 4 << 30):
     """float64 reference, a slice of the batch at a time so the N² scores stay under ``max_bytes``."""
-    import cupy
-
     from .. import reference
+    from ..baselines import _xp
 
     s = inp.shape
     per_batch = 8 * s.heads * s.seqlen * s.seqlen * 3          # scores, weights, a temporary
     step = max(1, max_bytes // max(per_batch, 1))
-    out = cupy.empty((s.batch, s.heads, s.seqlen, s.head_dim), dtype=cupy.float64)
+    out = _xp(inp.q).empty((s.batch, s.heads, s.seqlen, s.head_dim), dtype=np.float64)
     for lo in range(0, s.batch, step):
         hi = min(s.batch, lo + step)
         o, _ = reference.attention(inp.q[lo:hi], inp.k[lo:hi], inp.v[lo:hi], causal=s.causal)

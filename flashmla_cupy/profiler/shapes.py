@@ -17,7 +17,7 @@ FLOPs and bytes use the seed benchmark's formulas:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 HEAD_DIM_K = 576
 HEAD_DIM_V = 512
@@ -183,7 +183,3 @@ def attention_flops(shape: AttentionShape) -> int:
 def attention_bytes(shape: AttentionShape) -> int:
     """The fewest bytes: q, k, v read once, o written once (float32)."""
     return 4 * element_bytes(shape.dtype) * shape.batch * shape.heads * shape.seqlen * shape.head_dim
-
-
-def with_dtype(shapes, dtype: str):
-    return [replace(s, dtype=dtype) for s in shapes]

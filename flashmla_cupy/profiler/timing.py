@@ -144,6 +144,8 @@ def time_cuda(fn: Callable[[], object], *, stream, repeats: int = 100, warmup: i
     """
     import cupy
 
+    # Inputs and setup ran on other streams (the legacy default one): let them finish first.
+    cupy.cuda.runtime.deviceSynchronize()
     keep = None
     with stream:
         for _ in range(max(warmup, 1)):
@@ -185,6 +187,7 @@ def time_event_region(fn: Callable[[], object], *, stream, repeats: int, warmup:
     """Plain event timing without a flush (used for the ceilings, whose buffers dwarf the L2)."""
     import cupy
 
+    cupy.cuda.runtime.deviceSynchronize()
     with stream:
         for _ in range(warmup):
             fn()

@@ -1,4 +1,4 @@
-"""Random MLA decoding inputs for the GPU tests, built the hard way.
+"""Random MLA decoding inputs that catch kernels reading what they must not (tests, fuzzing, tools).
 
 Every input is fresh random data (never zeros). The KV cache holds the requests' pages at
 randomly permuted block ids among spare blocks; every slot no request may read (spare blocks,

@@ -1,0 +1,94 @@
+"""Run MLA decoding on a list of shapes and compare each with the float64 reference.
+
+    python tools/check_mla.py [--set quick|sanitizer] [--dtype bf16|fp16|both]
+
+One line per shape (max errors, cos_diff); exit status 1 if any shape fails. Small enough to
+run under compute-sanitizer (tools/sanitize.sh uses --set sanitizer).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import cupy
+import numpy as np
+
+import flashmla_cupy
+from flashmla_cupy import reference
+from flashmla_cupy.testing import make_inputs, poisoned
+
+# (seqlens, s_q, h_q, h_kv, causal)
+SHAPES = {
+    "quick": [
+        ([4096] * 8, 1, 128, 1, False),
+        ([1, 63, 64, 65, 1000, 0, 7], 2, 16, 1, True),
+        ([300, 5000, 17], 4, 32, 2, True),
+        ([70000, 5, 9], 1, 64, 1, False),
+    ],
+    "sanitizer": [
+        ([1], 1, 1, 1, False),
+        ([0], 1, 16, 1, False),
+        ([63], 1, 16, 1, False),
+        ([64], 1, 16, 1, False),
+        ([65], 2, 16, 1, True),
+        ([1000, 1], 1, 128, 1, False),
+        ([0, 5, 0], 2, 128, 1, True),
+        ([1, 2], 4, 16, 1, True),
+        ([129, 3000, 64, 65, 1, 0, 900], 1, 16, 2, False),
+        ([129, 3000, 64, 65, 1, 0, 900], 2, 32, 2, True),
+        ([5000] * 3, 1, 2, 2, False),
+        ([200] * 16, 2, 64, 1, True),
+        ([4096] * 4, 1, 128, 1, False),
+        ([4096] * 4, 2, 128, 1, True),
+        ([8192, 100], 1, 16, 1, False),
+        ([20000], 1, 128, 1, False),
+        ([20000], 2, 64, 1, True),
+        ([7, 700, 7000], 4, 16, 1, True),
+        ([1, 1, 1, 1, 1, 1, 1, 1], 1, 128, 1, False),
+        ([2048] * 33, 1, 16, 1, False),
+        ([3, 65, 129], 3, 5, 1, True),
+        ([1000] * 5, 1, 128, 2, False),
+    ],
+}
+
+
+def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng) -> tuple[bool, str]:
+    inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q // h_kv, h_kv)
+    out = poisoned((len(seqlens), s_q, h_q, 512), inp.q.dtype)
+    lse = poisoned((len(seqlens), h_q, s_q), np.float32)
+    flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                         meta, splits, causal=causal, out=out, lse=lse)
+    ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                            causal=causal)
+    out64 = out.astype(np.float32).astype(np.float64)
+    err_out = reference.max_abs_error(out64, ref_out)
+    err_lse = reference.max_abs_error(lse.astype(np.float64), ref_lse)
+    cos = reference.cos_diff(out64, ref_out)
+    ok = err_out < (2e-2 if dtype == "bf16" else 4e-3) and err_lse < 2e-3 and cos < 1e-5
+    return ok, f"max|out err| {err_out:.2e}  max|lse err| {err_lse:.2e}  cos_diff {cos:.1e}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", choices=sorted(SHAPES), default="quick")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "both"], default="both")
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else int(time.time())
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}, device {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    failures = 0
+    for dtype in (["bf16", "fp16"] if args.dtype == "both" else [args.dtype]):
+        for seqlens, s_q, h_q, h_kv, causal in SHAPES[args.set]:
+            ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng)
+            failures += not ok
+            label = f"{dtype} b={len(seqlens)} s_k<={max(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={int(causal)}"
+            print(f"{'ok  ' if ok else 'FAIL'} {label:<58} {msg}", flush=True)
+    print(f"{failures} failing shape(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
