@@ -145,7 +145,8 @@ def _int(value, name: str, minimum: int) -> int:
 # get_mla_metadata
 # --------------------------------------------------------------------------------------------
 
-def metadata_inputs(cache_seqlens, num_heads_per_head_k, num_heads_k) -> tuple[cupy.ndarray, int, int]:
+def metadata_inputs(cache_seqlens, num_heads_per_head_k, num_heads_k) -> tuple[cupy.ndarray, int, int, dict]:
+    """Checked arguments of get_mla_metadata, and the (Hopper) device's properties."""
     seqlens = as_device_array(cache_seqlens, "cache_seqlens")
     require_ndim(seqlens, "cache_seqlens", 1, "[batch]")
     require_dtype(seqlens, "cache_seqlens", [np.int32])
@@ -154,12 +155,13 @@ def metadata_inputs(cache_seqlens, num_heads_per_head_k, num_heads_k) -> tuple[c
     require_contiguous(seqlens, "cache_seqlens")
     heads_per_kv = _int(num_heads_per_head_k, "num_heads_per_head_k", 1)
     h_kv = _int(num_heads_k, "num_heads_k", 1)
+    props = require_hopper(cupy.cuda.runtime.getDevice())
     if value_checks_enabled():
         host = cupy.asnumpy(seqlens)
         if (host < 0).any():
             i = int(np.flatnonzero(host < 0)[0])
             raise ValueError(f"cache_seqlens[{i}] = {int(host[i])} is negative")
-    return seqlens, heads_per_kv, h_kv
+    return seqlens, heads_per_kv, h_kv, props
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +194,8 @@ class MLAInputs:
 
 
 def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-               num_splits, softmax_scale, causal, device_props: dict) -> MLAInputs:
+               num_splits, softmax_scale, causal) -> MLAInputs:
+    """Checked arguments of flash_mla_with_kvcache (the device must be a Hopper GPU)."""
     q = as_device_array(q, "q")
     k_cache = as_device_array(k_cache, "k_cache")
     block_table = as_device_array(block_table, "block_table")
@@ -239,6 +242,7 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens must have one entry per request ({batch}); got shape {tuple(cache_seqlens.shape)}")
     q_rows = s_q * (h_q // h_kv)
+    device_props = require_hopper(cupy.cuda.runtime.getDevice())
     parts = scheduler.num_sm_parts(device_props["sm_count"], q_rows, h_kv)
     if tile_scheduler_metadata.shape != (parts, scheduler.SCHED_META_INTS):
         raise ValueError(

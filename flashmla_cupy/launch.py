@@ -1,23 +1,26 @@
 """Loaded kernels per device and their launches through ``cuLaunchKernelEx``.
 
 CuPy loads the cubin (``cupy.cuda.function.Module``) and owns streams; cuda-python's driver
-bindings set function attributes and launch with Programmatic Dependent Launch, which CuPy's own
-launcher cannot express. Every kernel of the package takes a single parameter (its params struct)
-so a launch is: grid, block, dynamic shared memory, stream, the struct's bytes.
+bindings set function attributes and report errors. Launches go straight to the driver's
+``cuLaunchKernelEx`` with a prebuilt ``CUlaunchConfig`` (and its Programmatic Dependent Launch
+attribute), which CuPy's own launcher cannot express and cuda-python's generic wrapper would
+rebuild on every call. Every kernel of the package takes a single parameter, its params struct.
 
-Launch configurations are built once per (grid, block, shared memory, stream, PDL) and reused:
-the per-call Python work is one driver call plus a copy of the parameter bytes.
+Hot paths build a ``Launch`` once (``Kernel.prepare``) and then only update fields of its
+parameter struct and call it: one ctypes call into the driver per launch.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 import threading
 
 import cupy
 
 from . import compiler
 from .compiler import Program
+from .params import device_sizeof
 
 
 class DriverError(RuntimeError):
@@ -75,59 +78,100 @@ class Kernel:
             self._module = cupy.cuda.function.Module()
             self._module.load(self.cubin.image)
             self._function = self._module.get_function(self.cubin.lowered[name_expression])
-        drv = _driver()
-        self.handle = drv.CUfunction(self._function.ptr)
+        self.handle = _driver().CUfunction(self._function.ptr)
         self._smem_limit = 0
-        self._configs: dict[tuple, object] = {}
         self._lock = threading.Lock()
 
     @property
     def resources(self) -> compiler.KernelResources:
         return self.cubin.resources.get(self.name, compiler.KernelResources())
 
-    def _config(self, grid, block, smem: int, stream: int, pdl: bool):
-        key = (grid, block, smem, stream, pdl)
-        cfg = self._configs.get(key)
-        if cfg is not None:
-            return cfg
-        drv = _driver()
-        with self._lock:
-            if smem > self._smem_limit and smem > 48 * 1024:
+    def _ensure_smem(self, smem: int) -> None:
+        if smem > 48 * 1024 and smem > self._smem_limit:
+            drv = _driver()
+            with self._lock:
                 check(drv.cuFuncSetAttribute(
                     self.handle, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
                 self._smem_limit = smem
-            cfg = drv.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-            cfg.sharedMemBytes = smem
-            cfg.hStream = drv.CUstream(stream)
-            if pdl:
-                attr = drv.CUlaunchAttribute()
-                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                attr.value.programmaticStreamSerializationAllowed = 1
-                cfg.attrs = [attr]
-                cfg.numAttrs = 1
-            else:
-                cfg.numAttrs = 0
-            if len(self._configs) > 256:
-                self._configs.clear()
-            self._configs[key] = cfg
-        return cfg
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], params: bytes | bytearray,
-               smem: int = 0, stream: int | None = None, pdl: bool = False) -> None:
-        """Launch with the parameter struct's bytes (``params.as_bytes``) as the only argument.
+    def prepare(self, grid: tuple[int, int, int], block: tuple[int, int, int], params_type,
+                smem: int = 0, stream: int | None = None, pdl: bool = False) -> "Launch":
+        """A reusable launch of this kernel with a parameter struct of ``params_type`` (a ctypes
+        struct type, or a size in bytes for an opaque parameter).
 
         ``stream`` defaults to CuPy's current stream; ``pdl`` lets the kernel start while the
         previous one in the stream finishes (the kernel must wait with griddepcontrol.wait).
         """
+        self._ensure_smem(smem)
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
-        cfg = self._config(grid, block, smem, stream, pdl)
-        arg = (ctypes.c_char * len(params)).from_buffer(params) if isinstance(params, bytearray) \
-            else ctypes.create_string_buffer(bytes(params), len(params))
-        argv = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
-        check(_driver().cuLaunchKernelEx(cfg, self.handle, ctypes.addressof(argv), 0))
+        return Launch(self, grid, block, smem, stream, pdl, params_type)
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+               params: ctypes.Structure | bytes, smem: int = 0, stream: int | None = None,
+               pdl: bool = False) -> None:
+        """One-off launch with ``params``: a ctypes struct mirroring the kernel's parameter, or
+        its bytes."""
+        raw = bytes(params)
+        run = self.prepare(grid, block, len(raw) if isinstance(params, (bytes, bytearray))
+                           else type(params), smem, stream, pdl)
+        ctypes.memmove(run.params_address, raw, len(raw))
+        run()
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_launch_kernel_ex():
+    lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class Launch:
+    """A prepared launch: grid, block, shared memory, stream and PDL fixed; ``params`` (a ctypes
+    struct living in a buffer of the kernel parameter's device size) is updated between calls."""
+
+    def __init__(self, kernel: Kernel, grid, block, smem: int, stream: int, pdl: bool, params_type):
+        self.kernel = kernel
+        if isinstance(params_type, int):
+            self.buffer = (ctypes.c_ubyte * params_type)()
+            self.params = None
+        else:
+            self.buffer = (ctypes.c_ubyte * device_sizeof(params_type))()
+            self.params = params_type.from_buffer(self.buffer)
+        self.params_address = ctypes.addressof(self.buffer)
+        self._argv = (ctypes.c_void_p * 1)(self.params_address)
+        self._attr = _LaunchAttribute()
+        cfg = _LaunchConfig(*grid, *block, smem, stream)
+        if pdl:
+            self._attr.id = int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            ctypes.c_int.from_buffer(self._attr.value).value = 1   # programmaticStreamSerializationAllowed
+            cfg.attrs = ctypes.pointer(self._attr)
+            cfg.numAttrs = 1
+        self._config = cfg
+        self._launch = _cu_launch_kernel_ex()
+        self._handle = int(kernel._function.ptr)
+
+    def __call__(self) -> None:
+        err = self._launch(self._config, self._handle, self._argv, None)
+        if err:
+            check(_driver().CUresult(err))
 
 
 _kernels: dict[tuple, Kernel] = {}

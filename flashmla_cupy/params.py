@@ -86,10 +86,3 @@ def layout_defines() -> tuple[tuple[str, str], ...]:
         ("FLASHMLA_METADATA_PARAMS_BYTES", str(device_sizeof(MetadataParams))),
     )
 
-
-def as_bytes(params: ctypes.Structure) -> bytearray:
-    """The struct's bytes padded to its device size (what the kernel parameter holds)."""
-    buf = bytearray(device_sizeof(type(params)))
-    raw = ctypes.string_at(ctypes.addressof(params), ctypes.sizeof(params))
-    buf[:len(raw)] = raw
-    return buf

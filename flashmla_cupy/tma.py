@@ -65,14 +65,16 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
     return raw
 
 
-def rows_4d(array, box_rows: int = 64, box_cols: int = 64) -> bytes:
-    """Tensor map of a 4-D array ``[outer][rows][heads][cols]`` (last dim contiguous).
+def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
+               box_rows: int = 64, box_cols: int = 64) -> bytes:
+    """Tensor map of a 4-D array ``[outer][rows][heads][cols]`` (last dim contiguous) at
+    ``address``, given its shape and byte strides.
 
     Dims, innermost first: (cols, rows, heads, outer); the box covers box_rows x box_cols of one
     (outer, head). Used for Q ``[b][q_rows][h_kv][576]``, the KV cache
     ``[blocks][64][h_kv][576]`` and O ``[b][q_rows][h_kv][512]``.
     """
-    outer, rows, heads, cols = array.shape
-    s_outer, s_rows, s_heads, _ = array.strides
-    return encode_tiled(array.data.ptr, array.dtype, (cols, rows, heads, outer),
-                        (s_rows, s_heads, s_outer), (box_cols, box_rows, 1, 1))
+    outer, rows, heads, cols = shape
+    s_outer, s_rows, s_heads, _ = strides_bytes
+    return encode_tiled(address, dtype, (cols, rows, heads, outer), (s_rows, s_heads, s_outer),
+                        (box_cols, box_rows, 1, 1))

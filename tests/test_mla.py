@@ -150,3 +150,46 @@ def test_scheduler_kernel_matches_model(trial):
     np.testing.assert_array_equal(cupy.asnumpy(metadata), want_meta)
     np.testing.assert_array_equal(cupy.asnumpy(num_splits), want_splits)
 
+
+
+# --- allocation-free calls and CUDA graphs ----------------------------------------------------
+
+@pytest.mark.parametrize("h_kv", [1, 2])
+def test_cuda_graph_capture_replays_like_eager_calls(h_kv):
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, rng.integers(1, 5000, 9), 2, 64, h_kv, "bf16")
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 2 * 64 // h_kv, h_kv)
+    out = poisoned((9, 2, 64, 512), inp.q.dtype)
+    lse = poisoned((9, 64, 2), np.float32)
+    ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def call(**outputs):
+        return flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                                    meta, splits, causal=True, **outputs)
+
+    with stream:
+        call(out=out, lse=lse, workspace=ws)              # warm: modules loaded, plan built
+        out[...] = np.nan
+        stream.begin_capture()
+        call(out=out, lse=lse, workspace=ws)
+        graph = stream.end_capture()
+        for trial in range(2):
+            inp.q[...] = cupy.random.standard_normal(inp.q.shape, dtype=np.float32).astype(inp.q.dtype)
+            graph.launch(stream)
+            want_out, want_lse = call()
+            stream.synchronize()
+            assert bool((out.view(np.uint16) == want_out.view(np.uint16)).all()), f"replay {trial}: out differs"
+            assert bool((lse.view(np.uint32) == want_lse.view(np.uint32)).all()), f"replay {trial}: lse differs"
+    check_against_reference(inp, out, lse, True, "bf16")
+
+
+def test_workspace_from_another_shape_is_rejected():
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, [100, 200], 1, 16, 1, "bf16")
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 16, 1)
+    other = make_inputs(rng, [100, 200, 300], 1, 16, 1, "bf16")
+    ws = flashmla_cupy.get_mla_workspace(other.q, other.k_cache, meta)
+    with pytest.raises(ValueError, match="workspace"):
+        flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                             meta, splits, workspace=ws)

@@ -57,7 +57,5 @@ def test_device_sizes_are_padded_for_tensor_maps():
     size = params.device_sizeof(params.SplitKVParams)
     assert size % 64 == 0 and size >= ctypes.sizeof(params.SplitKVParams)
     assert params.device_sizeof(params.MetadataParams) == ctypes.sizeof(params.MetadataParams)
-    p = params.SplitKVParams(batch=7, scale_log2=0.5)
-    raw = params.as_bytes(p)
-    assert len(raw) == size
-    assert int.from_bytes(raw[params.SplitKVParams.batch.offset:][:4], "little") == 7
+    defines = dict(params.layout_defines())
+    assert defines["FLASHMLA_SPLITKV_PARAMS_BYTES"] == str(size)
