@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import numbers
 
 import cupy
 import numpy as np
 
-from . import launch
+from . import checks, launch
 from .compiler import Program
 
 MAX_HEAD_DIM = 128
@@ -33,8 +32,6 @@ THREADS = 128                     # kThreads in the kernel
 HEAD_DIM_TILES = (32, 64, 128)    # compiled variants; d is rounded up to the next one
 MAX_GRID_YZ = 65535               # CUDA's limit on gridDim.y (heads) and gridDim.z (batch)
 MAX_SEQLEN = 2**31 - BLOCK_M      # row indices reach N + 31 in the kernel's int32 arithmetic
-
-_DLPACK_CUDA_DEVICES = (2, 13)    # kDLCUDA, kDLCUDAManaged
 
 
 class FlashAttnMinimalParams(ctypes.Structure):
@@ -98,8 +95,8 @@ def flash_attn_minimal(q, k, v, causal=False, softmax_scale=None, return_lse=Fal
     if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ or seqlen > MAX_SEQLEN:
         raise ValueError(f"q, k, v: flash_attn_minimal supports B <= {MAX_GRID_YZ}, H <= {MAX_GRID_YZ} "
                          f"and N <= {MAX_SEQLEN}; got shape {tuple(q.shape)}")
-    causal = _checked_causal(causal)
-    scale = _checked_softmax_scale(softmax_scale, head_dim)
+    causal = checks.require_bool(causal, "causal")
+    scale = checks.checked_softmax_scale(softmax_scale, 1.0 / math.sqrt(head_dim), positive=False)
     q, k, v = _on_current_device(q, k, v)
 
     out = cupy.empty(q.shape, dtype=cupy.float32)
@@ -123,8 +120,8 @@ def manual_attention(q, k, v, causal=False, softmax_scale=None):
     any head dim ``d >= 1`` is accepted. Returns ``out``, float32 ``[B, H, N, d]``.
     """
     q, k, v = _checked_inputs(q, k, v, max_head_dim=None)
-    causal = _checked_causal(causal)
-    scale = _checked_softmax_scale(softmax_scale, q.shape[-1])
+    causal = checks.require_bool(causal, "causal")
+    scale = checks.checked_softmax_scale(softmax_scale, 1.0 / math.sqrt(q.shape[-1]), positive=False)
     q, k, v = _on_current_device(q, k, v)
 
     scores = cupy.matmul(q, k.swapaxes(-1, -2))
@@ -139,17 +136,17 @@ def manual_attention(q, k, v, causal=False, softmax_scale=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks: every message names the argument, what was expected and what was given.
-# Shapes and dtypes are checked before anything touches the GPU.
+# Argument checks (the shared helpers of flashmla_cupy.checks): every message names the
+# argument, what was expected and what was given. Shapes and dtypes are checked before anything
+# touches the GPU.
 # --------------------------------------------------------------------------------------------
 
 def _checked_inputs(q, k, v, max_head_dim: int | None):
-    arrays = [_as_device_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    arrays = [checks.device_view(x, name, "a float32 GPU array [B, H, N, d]")
+              for x, name in ((q, "q"), (k, "k"), (v, "v"))]
     for x, name in zip(arrays, "qkv"):
-        if x.dtype != cupy.float32:
-            raise TypeError(f"{name} must be float32; got {x.dtype}")
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be 4-D [B, H, N, d]; got {x.ndim}-D, shape {tuple(x.shape)}")
+        checks.require_dtype(x, name, [np.float32])
+        checks.require_ndim(x, name, 4, "[B, H, N, d]")
     q, k, v = arrays
     for x, name in ((k, "k"), (v, "v")):
         if x.shape != q.shape:
@@ -164,49 +161,8 @@ def _checked_inputs(q, k, v, max_head_dim: int | None):
     return q, k, v
 
 
-def _as_device_array(x, name: str) -> cupy.ndarray:
-    """``x`` as a CuPy array without copying; host memory is refused, not uploaded."""
-    if isinstance(x, cupy.ndarray):
-        return x
-    expected = (f"{name} must be a float32 GPU array [B, H, N, d] (cupy.ndarray, or an object "
-                "with __cuda_array_interface__ or __dlpack__ in device memory)")
-    if isinstance(x, np.ndarray):
-        raise TypeError(f"{expected}; got a NumPy array in host memory "
-                        f"(copy it to the GPU first, e.g. cupy.asarray({name}))")
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__"):
-        device_type = int(x.__dlpack_device__()[0]) if hasattr(x, "__dlpack_device__") else None
-        if device_type not in _DLPACK_CUDA_DEVICES:
-            raise TypeError(f"{expected}; got a {type(x).__name__} whose DLPack device type is "
-                            f"{device_type} (not CUDA memory)")
-        return cupy.from_dlpack(x)
-    raise TypeError(f"{expected}; got {type(x).__module__}.{type(x).__qualname__}")
-
-
-def _checked_causal(causal) -> bool:
-    # A strict bool: a string such as "false" would otherwise switch the mask on.
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool; got {type(causal).__name__} {causal!r}")
-    return bool(causal)
-
-
-def _checked_softmax_scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None; "
-                        f"got {type(softmax_scale).__name__} {softmax_scale!r}")
-    if not abs(softmax_scale) <= float(np.finfo(np.float32).max):     # also rejects NaN
-        raise ValueError(f"softmax_scale must be finite in float32; got {softmax_scale!r}")
-    return float(softmax_scale)
-
-
 def _on_current_device(q, k, v):
     """Check that the inputs live on CuPy's current device; make them contiguous there."""
-    current = cupy.cuda.runtime.getDevice()
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if x.device.id != current:
-            raise ValueError(f"{name} must be on CuPy's current device {current}; it is on device "
-                             f"{x.device.id} (run under `with cupy.cuda.Device({x.device.id}):`)")
+        checks.require_current_device(x, name)
     return tuple(cupy.ascontiguousarray(x) for x in (q, k, v))

@@ -1,21 +1,34 @@
 """Argument validation shared by the public functions: it only checks and prepares.
 
-Every check runs before anything is launched and never writes to the caller's arrays. Errors
-are ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape, layout or
-value), and name the argument, what was expected and what was given. Devices other than Hopper
-raise ``UnsupportedDeviceError`` before any compilation.
+Every check runs before anything is allocated or launched and never writes to the caller's
+arrays. Errors are ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
+device, shape, layout or value); each message starts with the argument's name, then says what
+was expected, then what was given. Devices other than Hopper raise ``UnsupportedDeviceError``
+before any compilation.
+
+Helpers:
+
+* ``device_view(x, name, what)``: ``x`` as a CuPy array without a copy (CuPy arrays, and objects
+  exposing ``__dlpack__`` or ``__cuda_array_interface__``); refuses host memory and non-arrays.
+  It does not look at which GPU the array is on: ``require_current_device`` does, and
+  ``as_device_array`` is the two together.
+* ``require_dtype``, ``require_ndim``, ``require_contiguous``, ``require_last_dim_contiguous``,
+  ``require_int``, ``require_bool``, ``checked_softmax_scale``, ``require_hopper``.
+* ``metadata_inputs``, ``mla_inputs``, ``output_array``, ``check_values``: all the checks of
+  ``get_mla_metadata`` and ``flash_mla_with_kvcache``.
 
 Value checks (sequence lengths against the block table, block ids against the cache) need the
-values on the host: one small device-to-host copy, which synchronizes the stream. They are on by
-default and skipped during CUDA-graph capture; ``set_value_checks(False)`` (or the environment
-variable ``FLASHMLA_CUPY_VALUE_CHECKS=0``) turns them off for production decode loops, where an
-out-of-range block id reads zeros (TMA bounds) and a sequence longer than its block-table row is
-undefined behavior.
+values on the host: a small device-to-host copy (``cupy.asnumpy``), which synchronizes the
+stream. They are on by default and skipped during CUDA-graph capture; ``set_value_checks(False)``
+(or the environment variable ``FLASHMLA_CUPY_VALUE_CHECKS=0``) turns them off for production
+decode loops, where an out-of-range block id reads zeros (TMA bounds) and a sequence longer than
+its block-table row is undefined behavior.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -28,6 +41,9 @@ HEAD_DIM_K = 576
 HEAD_DIM_V = 512
 PAGE_BLOCK_SIZE = scheduler.PAGE_BLOCK_SIZE
 
+_DLPACK_CUDA_DEVICES = (2, 13)    # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is pinned host memory)
+_CUDA_DEVICE_MEMORY = (cupy.cuda.runtime.memoryTypeDevice, cupy.cuda.runtime.memoryTypeManaged)
+
 
 class UnsupportedDeviceError(RuntimeError):
     """The current GPU cannot run these kernels (they need Hopper, sm_90)."""
@@ -37,7 +53,7 @@ _value_checks = os.environ.get("FLASHMLA_CUPY_VALUE_CHECKS", "1") not in ("0", "
 
 
 def set_value_checks(enabled: bool) -> None:
-    """Turn the host-side value checks of ``flash_mla_with_kvcache`` on or off (module-wide)."""
+    """Turn the host-side value checks of the MLA functions on or off (module-wide)."""
     global _value_checks
     _value_checks = bool(enabled)
 
@@ -61,55 +77,67 @@ def value_checks_enabled() -> bool:
 # Arrays
 # --------------------------------------------------------------------------------------------
 
-def _dtype_name(dtype) -> str:
-    return "bfloat16" if np.dtype(dtype).name in ("bfloat16",) else np.dtype(dtype).name
+def device_view(x, name: str, what: str = "a GPU array") -> cupy.ndarray:
+    """A CuPy view of ``x``, zero-copy for foreign GPU arrays; ``TypeError`` for anything else.
+
+    Accepts CuPy arrays and objects exposing ``__dlpack__`` (PyTorch, JAX, ...) or
+    ``__cuda_array_interface__`` in device (or managed) memory. ``what`` describes the expected
+    array in the message, e.g. "a float32 GPU array [B, H, N, d]".
+    """
+    if isinstance(x, cupy.ndarray):
+        return x
+    expected = (f"{name} must be {what} (CuPy, or an object with __dlpack__ or "
+                f"__cuda_array_interface__ in device memory)")
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{expected}; got a NumPy array in host memory (copy it first: cupy.asarray({name}))")
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type = int(x.__dlpack_device__()[0])
+        if device_type not in _DLPACK_CUDA_DEVICES:
+            raise TypeError(f"{expected}; got a {kind} whose DLPack device type is {device_type} "
+                            f"(not CUDA device memory)")
+        return cupy.from_dlpack(x)
+    if hasattr(x, "__cuda_array_interface__"):
+        address = x.__cuda_array_interface__["data"][0]
+        if address:                 # 0 for an empty array
+            memory_type = cupy.cuda.runtime.pointerGetAttributes(address).type
+            if memory_type not in _CUDA_DEVICE_MEMORY:
+                raise TypeError(f"{expected}; got a {kind} whose __cuda_array_interface__ points to "
+                                f"host memory (address {address:#x}, CUDA memory type {memory_type})")
+        return cupy.asarray(x)
+    raise TypeError(f"{expected}; got {kind}")
+
+
+def require_current_device(arr: cupy.ndarray, name: str) -> None:
+    current = cupy.cuda.runtime.getDevice()
+    if arr.device.id != current:
+        raise ValueError(f"{name} must be on CuPy's current device {current}; got an array on device "
+                         f"{arr.device.id} (call under `with cupy.cuda.Device({arr.device.id}):` or move it)")
 
 
 def as_device_array(x, name: str) -> cupy.ndarray:
-    """A CuPy view of ``x`` on the current device, zero-copy for foreign GPU arrays.
-
-    Accepts CuPy arrays and objects exposing ``__dlpack__`` (PyTorch, JAX, ...) or
-    ``__cuda_array_interface__``; rejects host arrays and arrays on another device.
-    """
-    if isinstance(x, cupy.ndarray):
-        arr = x
-    elif isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a GPU array (CuPy, or any __dlpack__/__cuda_array_interface__ "
-                        f"object); got a NumPy array in host memory (use cupy.asarray({name}))")
-    elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        device_type, _ = x.__dlpack_device__()
-        if int(device_type) not in (2, 3, 13):  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
-            raise TypeError(f"{name} must be a GPU array; got a {type(x).__module__}.{type(x).__name__} "
-                            f"in host memory (DLPack device type {int(device_type)})")
-        arr = cupy.from_dlpack(x)
-    elif hasattr(x, "__cuda_array_interface__"):
-        arr = cupy.asarray(x)
-    else:
-        raise TypeError(f"{name} must be a GPU array (CuPy, or any __dlpack__/__cuda_array_interface__ "
-                        f"object); got {type(x).__module__}.{type(x).__name__}")
-    current = cupy.cuda.runtime.getDevice()
-    if arr.device.id != current:
-        raise ValueError(f"{name} is on device {arr.device.id} but CuPy's current device is {current}; "
-                         f"call under `with cupy.cuda.Device({arr.device.id}):` or move the array")
+    """``device_view`` of ``x``, which must be on CuPy's current device."""
+    arr = device_view(x, name)
+    require_current_device(arr, name)
     return arr
 
 
-def require_dtype(arr, name: str, allowed, what: str | None = None) -> None:
-    allowed = tuple(np.dtype(a) for a in allowed)
+def require_dtype(arr, name: str, allowed) -> None:
+    allowed = [np.dtype(a) for a in allowed]
     if arr.dtype not in allowed:
-        expected = what or " or ".join(_dtype_name(a) for a in allowed)
-        raise TypeError(f"{name} must have dtype {expected}; got {_dtype_name(arr.dtype)}")
+        expected = " or ".join(a.name for a in allowed)
+        raise TypeError(f"{name} must have dtype {expected}; got {arr.dtype.name}")
 
 
 def require_ndim(arr, name: str, ndim: int, layout: str) -> None:
     if arr.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout}; got shape {tuple(arr.shape)}")
+        raise ValueError(f"{name} must be {ndim}-D {layout}; got {arr.ndim}-D shape {tuple(arr.shape)}")
 
 
 def require_last_dim_contiguous(arr, name: str) -> None:
     if arr.shape[-1] > 1 and arr.strides[-1] != arr.itemsize:
-        raise ValueError(f"{name} must be contiguous in its last dimension; got strides {arr.strides} "
-                         f"(bytes) for shape {tuple(arr.shape)}")
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {arr.itemsize} bytes); "
+                         f"got strides {arr.strides} for shape {tuple(arr.shape)}")
 
 
 def require_contiguous(arr, name: str) -> None:
@@ -117,28 +145,53 @@ def require_contiguous(arr, name: str) -> None:
         raise ValueError(f"{name} must be C-contiguous; got strides {arr.strides} for shape {tuple(arr.shape)}")
 
 
+# --------------------------------------------------------------------------------------------
+# Scalars and the device
+# --------------------------------------------------------------------------------------------
+
+def require_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def require_bool(value, name: str) -> bool:
+    # A strict bool: a string such as "false" would otherwise count as True.
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def checked_softmax_scale(value, default: float, positive: bool) -> float:
+    """``value`` (``default`` for None) as a float that is finite in float32 (and > 0 if
+    ``positive``)."""
+    if value is None:
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None; got {type(value).__name__} {value!r}")
+    if not abs(value) <= float(np.finfo(np.float32).max) or (positive and value <= 0):   # NaN fails <=
+        raise ValueError(f"softmax_scale must be {'positive and ' if positive else ''}finite in float32; "
+                         f"got {value!r}")
+    return float(value)
+
+
 def require_hopper(device_id: int) -> dict:
+    """The device's properties (``launch.device_properties``) if it is a Hopper GPU."""
     from .launch import device_properties
 
     props = device_properties(device_id)
     if props["major"] != 9:
         raise UnsupportedDeviceError(
-            f"flashmla-cupy's MLA kernels need a Hopper GPU (sm_90: H100, H200, H800, H20); "
-            f"device {device_id} is {props['name']} (sm_{props['major']}{props['minor']})")
+            f"the current device must be a Hopper GPU (sm_90: H100, H200, H800, H20) for flashmla-cupy's "
+            f"MLA kernels; got device {device_id}, {props['name']} (sm_{props['major']}{props['minor']})")
     return props
 
 
 def bfloat16():
     import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
-
-
-def _int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {value}")
-    return int(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,19 +201,19 @@ def _int(value, name: str, minimum: int) -> int:
 def metadata_inputs(cache_seqlens, num_heads_per_head_k, num_heads_k) -> tuple[cupy.ndarray, int, int, dict]:
     """Checked arguments of get_mla_metadata, and the (Hopper) device's properties."""
     seqlens = as_device_array(cache_seqlens, "cache_seqlens")
-    require_ndim(seqlens, "cache_seqlens", 1, "[batch]")
     require_dtype(seqlens, "cache_seqlens", [np.int32])
+    require_ndim(seqlens, "cache_seqlens", 1, "[batch]")
     if seqlens.shape[0] == 0:
         raise ValueError("cache_seqlens must hold at least one request (batch >= 1); got shape (0,)")
     require_contiguous(seqlens, "cache_seqlens")
-    heads_per_kv = _int(num_heads_per_head_k, "num_heads_per_head_k", 1)
-    h_kv = _int(num_heads_k, "num_heads_k", 1)
+    heads_per_kv = require_int(num_heads_per_head_k, "num_heads_per_head_k", 1)
+    h_kv = require_int(num_heads_k, "num_heads_k", 1)
     props = require_hopper(cupy.cuda.runtime.getDevice())
     if value_checks_enabled():
         host = cupy.asnumpy(seqlens)
         if (host < 0).any():
             i = int(np.flatnonzero(host < 0)[0])
-            raise ValueError(f"cache_seqlens[{i}] = {int(host[i])} is negative")
+            raise ValueError(f"cache_seqlens[{i}] must be >= 0; got {int(host[i])}")
     return seqlens, heads_per_kv, h_kv, props
 
 
@@ -205,7 +258,7 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
 
     require_dtype(q, "q", [bfloat16(), np.float16])
     if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache must have q's dtype ({_dtype_name(q.dtype)}); got {_dtype_name(k_cache.dtype)}")
+        raise TypeError(f"k_cache must have q's dtype {q.dtype.name}; got {k_cache.dtype.name}")
     for arr, name in ((block_table, "block_table"), (cache_seqlens, "cache_seqlens"),
                       (tile_scheduler_metadata, "tile_scheduler_metadata"), (num_splits, "num_splits")):
         require_dtype(arr, name, [np.int32])
@@ -214,44 +267,46 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     require_ndim(k_cache, "k_cache", 4, "[num_blocks, 64, h_kv, 576]")
     require_ndim(block_table, "block_table", 2, "[batch, max_blocks_per_seq]")
     require_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
-    require_ndim(tile_scheduler_metadata, "tile_scheduler_metadata", 2, "[num_sm_parts, 8]")
-    require_ndim(num_splits, "num_splits", 1, "[batch + 1]")
 
     batch, s_q, h_q, d = q.shape
     num_blocks, page, h_kv, d_k = k_cache.shape
     if d != HEAD_DIM_K:
-        raise ValueError(f"q's head dim (last axis) must be {HEAD_DIM_K}; got {d} (shape {tuple(q.shape)})")
+        raise ValueError(f"q must have head dim (axis 3) {HEAD_DIM_K}; got shape {tuple(q.shape)}")
     if d_k != HEAD_DIM_K:
-        raise ValueError(f"k_cache's head dim (last axis) must be {HEAD_DIM_K}; got {d_k} (shape {tuple(k_cache.shape)})")
-    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, (int, np.integer)) or head_dim_v != HEAD_DIM_V:
-        raise ValueError(f"head_dim_v must be {HEAD_DIM_V}; got {head_dim_v!r}")
+        raise ValueError(f"k_cache must have head dim (axis 3) {HEAD_DIM_K}; got shape {tuple(k_cache.shape)}")
+    if require_int(head_dim_v, "head_dim_v", 1) != HEAD_DIM_V:
+        raise ValueError(f"head_dim_v must be {HEAD_DIM_V}; got {head_dim_v}")
     if page != PAGE_BLOCK_SIZE:
-        raise ValueError(f"k_cache's page block size (axis 1) must be {PAGE_BLOCK_SIZE}; got {page}")
+        raise ValueError(f"k_cache must have page block size (axis 1) {PAGE_BLOCK_SIZE}; "
+                         f"got shape {tuple(k_cache.shape)}")
     if batch == 0:
-        raise ValueError(f"q must hold at least one request (batch >= 1); got shape {tuple(q.shape)}")
+        raise ValueError(f"q must hold at least one request (batch, axis 0, >= 1); got shape {tuple(q.shape)}")
     if s_q == 0:
-        raise ValueError(f"q must hold at least one query token (s_q >= 1); got shape {tuple(q.shape)}")
-    if h_q == 0 or h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"q's heads ({h_q}) must be a positive multiple of k_cache's heads ({h_kv})")
-    if num_blocks == 0:
-        raise ValueError(f"k_cache must hold at least one block; got shape {tuple(k_cache.shape)}")
-    if block_table.shape[0] != batch:
-        raise ValueError(f"block_table must have one row per request ({batch}); got shape {tuple(block_table.shape)}")
-    if block_table.shape[1] == 0:
-        raise ValueError(f"block_table must have at least one column; got shape {tuple(block_table.shape)}")
+        raise ValueError(f"q must hold at least one query token (s_q, axis 1, >= 1); got shape {tuple(q.shape)}")
+    if num_blocks == 0 or h_kv == 0:
+        raise ValueError(f"k_cache must hold at least one block (axis 0) and one head (axis 2); "
+                         f"got shape {tuple(k_cache.shape)}")
+    if h_q == 0 or h_q % h_kv:
+        raise ValueError(f"q must have a positive multiple of k_cache's {h_kv} heads (axis 2); "
+                         f"got shape {tuple(q.shape)}")
+    if block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have one row per request ({batch}) and at least one column; "
+                         f"got shape {tuple(block_table.shape)}")
     if cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens must have one entry per request ({batch}); got shape {tuple(cache_seqlens.shape)}")
+        raise ValueError(f"cache_seqlens must have shape ({batch},), one entry per request; "
+                         f"got {tuple(cache_seqlens.shape)}")
+
     q_rows = s_q * (h_q // h_kv)
     device_props = require_hopper(cupy.cuda.runtime.getDevice())
     parts = scheduler.num_sm_parts(device_props["sm_count"], q_rows, h_kv)
     if tile_scheduler_metadata.shape != (parts, scheduler.SCHED_META_INTS):
         raise ValueError(
-            f"tile_scheduler_metadata must have shape ({parts}, {scheduler.SCHED_META_INTS}) for this batch's "
-            f"head layout (get_mla_metadata(cache_seqlens, s_q*h_q//h_kv={q_rows}, h_kv={h_kv})); "
+            f"tile_scheduler_metadata must have shape ({parts}, {scheduler.SCHED_META_INTS}), from "
+            f"get_mla_metadata(cache_seqlens, s_q * h_q // h_kv = {q_rows}, h_kv = {h_kv}) on this device; "
             f"got {tuple(tile_scheduler_metadata.shape)}")
     if num_splits.shape != (batch + 1,):
-        raise ValueError(f"num_splits must have shape ({batch + 1},) (batch + 1, from get_mla_metadata of "
-                         f"this batch); got {tuple(num_splits.shape)}")
+        raise ValueError(f"num_splits must have shape ({batch + 1},) (batch + 1, from get_mla_metadata "
+                         f"of this batch); got {tuple(num_splits.shape)}")
 
     require_last_dim_contiguous(q, "q")
     require_last_dim_contiguous(k_cache, "k_cache")
@@ -264,28 +319,24 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
         raise ValueError(f"k_cache must start on a 16-byte boundary with 16-byte-multiple strides (TMA); "
                          f"got address {k_cache.data.ptr:#x}, strides {k_cache.strides}")
 
-    if softmax_scale is None:
-        softmax_scale = HEAD_DIM_K ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    scale = checked_softmax_scale(softmax_scale, HEAD_DIM_K ** -0.5, positive=True)
+    if scale * math.log2(math.e) > float(np.finfo(np.float32).max):     # the kernels use scale * log2(e)
+        raise ValueError(f"softmax_scale must be at most float32 max / log2(e); got {softmax_scale!r}")
+    causal = require_bool(causal, "causal")
 
     inputs = MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                       batch, s_q, h_q, h_kv, float(softmax_scale), bool(causal) and s_q > 1, parts)
+                       batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
     if value_checks_enabled():
         check_values(inputs)
     return inputs
 
 
 def output_array(x, name: str, shape: tuple, dtype) -> cupy.ndarray:
-    """A caller-provided output: a C-contiguous CuPy array of exactly this shape and dtype."""
+    """A caller-provided output: a C-contiguous GPU array of exactly this shape and dtype."""
     arr = as_device_array(x, name)
     if tuple(arr.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(arr.shape)}")
-    if arr.dtype != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {_dtype_name(dtype)}; got {_dtype_name(arr.dtype)}")
+    require_dtype(arr, name, [dtype])
     require_contiguous(arr, name)
     return arr
 
@@ -293,17 +344,18 @@ def output_array(x, name: str, shape: tuple, dtype) -> cupy.ndarray:
 def check_values(inputs: MLAInputs) -> None:
     """Sequence lengths within [0, 64 * max_blocks]; the block ids they use within the cache."""
     seqlens = cupy.asnumpy(inputs.cache_seqlens)
-    capacity = inputs.block_table.shape[1] * PAGE_BLOCK_SIZE
+    columns = inputs.block_table.shape[1]
+    capacity = columns * PAGE_BLOCK_SIZE
     bad = np.flatnonzero((seqlens < 0) | (seqlens > capacity))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"cache_seqlens[{i}] = {int(seqlens[i])} is outside [0, {capacity}] "
-                         f"(block_table has {inputs.block_table.shape[1]} blocks of {PAGE_BLOCK_SIZE} per request)")
+        raise ValueError(f"cache_seqlens[{i}] must be in [0, {capacity}] (block_table holds {columns} "
+                         f"pages of {PAGE_BLOCK_SIZE} tokens per request); got {int(seqlens[i])}")
     table = cupy.asnumpy(inputs.block_table)
-    used = np.arange(table.shape[1])[None, :] < -(-seqlens[:, None] // PAGE_BLOCK_SIZE)
-    ids = table[used]
+    used = np.arange(columns)[None, :] < -(-seqlens[:, None] // PAGE_BLOCK_SIZE)
     num_blocks = inputs.k_cache.shape[0]
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        rows, cols = np.nonzero(used & ((table < 0) | (table >= num_blocks)))
-        raise ValueError(f"block_table[{rows[0]}, {cols[0]}] = {table[rows[0], cols[0]]} is not a block of "
-                         f"k_cache (0 <= id < {num_blocks}) but request {rows[0]} uses it")
+    rows, cols = np.nonzero(used & ((table < 0) | (table >= num_blocks)))
+    if rows.size:
+        r, c = int(rows[0]), int(cols[0])
+        raise ValueError(f"block_table[{r}, {c}] must be a block of k_cache (0 <= id < {num_blocks}), "
+                         f"since request {r} uses it; got {int(table[r, c])}")

@@ -22,6 +22,9 @@ from .compiler import Program
 from .params import CombineParams, MetadataParams, SplitKVParams, layout_defines
 
 SPLITKV_THREADS = 256
+# L2 policies of TMA loads (CUTLASS's CacheHintSm90 values; cuda_src/common/tma.cuh).
+L2_EVICT_NORMAL = 0x1000000000000000
+L2_EVICT_FIRST = 0x12F0000000000000
 COMBINE_WARPS = 8
 _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
@@ -176,12 +179,18 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata) -> MLAWorkspace:
     batch, s_q, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     if h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"q's heads ({h_q}) must be a positive multiple of k_cache's heads ({h_kv})")
+        raise ValueError(f"k_cache's heads (axis 2) must divide q's heads ({h_q}); got {h_kv}")
     return MLAWorkspace(batch, s_q, h_q, h_kv, meta.shape[0], q.dtype)
 
 
 _MAX_PLANS = 32
 _plans: OrderedDict[tuple, "_Plan"] = OrderedDict()
+
+
+def kv_l2_hint(m_blocks: int) -> int:
+    """L2 policy for the cache pages: streamed once (evict first) when one CTA reads each page;
+    kept (normal) when several query-row blocks' CTAs read the same page at about the same time."""
+    return L2_EVICT_FIRST if m_blocks == 1 else L2_EVICT_NORMAL
 
 
 def _layout(x) -> tuple:
@@ -221,7 +230,6 @@ class _Plan:
     def __init__(self, a: checks.MLAInputs):
         self.inputs = a
         self.dtype = a.q.dtype
-        tag = dtype_tag(self.dtype)
         self.device_id = cupy.cuda.runtime.getDevice()
         self.out_shape = (a.batch, a.s_q, a.h_q, checks.HEAD_DIM_V)
         self.lse_shape = (a.batch, a.h_q, a.s_q)
@@ -240,13 +248,20 @@ class _Plan:
             [SplitKVParams.tma_o.offset, rows_o, tuple(esize * x for x in _contiguous_strides(rows_o)), None],
         ]
         self.q_is_rows = a.h_kv == 1 and a.q.flags.c_contiguous
+        self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
+        self._lock = threading.Lock()
 
+    def _prepare_launches(self) -> None:
+        """Load (compiling on first use) the kernels and prebuild both launches."""
+        a = self.inputs
+        tag = dtype_tag(self.dtype)
         num_m_blocks = -(-a.q_rows // scheduler.BLOCK_M)
         self.splitkv = _kernel(splitkv_program(tag)).prepare(
             (num_m_blocks, a.h_kv, a.num_sm_parts), (SPLITKV_THREADS, 1, 1), SplitKVParams,
             smem=SPLITKV_SMEM_BYTES, pdl=True)
         p = self.splitkv.params
         p.block_table_stride = a.block_table.strides[0] // 4
+        p.kv_l2_hint = kv_l2_hint(num_m_blocks)
         p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.batch, a.s_q, a.q_rows, a.heads_per_kv
         p.h_q, p.h_kv, p.causal = a.h_q, a.h_kv, int(a.causal)
         p.scale_log2 = a.softmax_scale * math.log2(math.e)
@@ -260,23 +275,20 @@ class _Plan:
         c.s_q, c.h_q, c.max_splits = a.s_q, a.h_q, a.num_sm_parts
         self._splitkv_pointers = _pointer_run(SplitKVParams, _SPLITKV_POINTERS)
         self._combine_pointers = _pointer_run(CombineParams, _COMBINE_POINTERS)
-        self._lock = threading.Lock()
 
-    def _workspace(self, workspace) -> MLAWorkspace:
-        if workspace is None:
-            if self._own_workspace is None:
-                self._own_workspace = MLAWorkspace(*self.workspace_signature[1:])
-            return self._own_workspace
+    def _own_workspace_(self) -> MLAWorkspace:
+        if self._own_workspace is None:
+            self._own_workspace = MLAWorkspace(*self.workspace_signature[1:])
+        return self._own_workspace
+
+    def _check_workspace(self, workspace) -> None:
         if type(workspace) is not MLAWorkspace or workspace.signature != self.workspace_signature:
             got = getattr(workspace, "signature", type(workspace).__name__)
             raise ValueError(f"workspace must come from get_mla_workspace for this call's shapes "
                              f"(device, batch, s_q, h_q, h_kv, num_sm_parts, dtype = "
                              f"{self.workspace_signature}); got {got}")
-        return workspace
 
     def _output(self, x, name: str, shape, strides, dtype):
-        if x is None:
-            return cupy.empty(shape, dtype=dtype)
         if type(x) is cupy.ndarray and x.shape == shape and x.strides == strides and x.dtype == dtype \
                 and x.data.device_id == self.device_id:
             return x
@@ -292,9 +304,22 @@ class _Plan:
 
     def run(self, q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse, workspace):
         a = self.inputs
-        out = self._output(out, "out", self.out_shape, self.out_strides, self.dtype)
-        lse = self._output(lse, "lse", self.lse_shape, self.lse_strides, np.float32)
-        ws = self._workspace(workspace)
+        # Caller-provided outputs and workspace are checked before anything is allocated.
+        if out is not None:
+            out = self._output(out, "out", self.out_shape, self.out_strides, self.dtype)
+        if lse is not None:
+            lse = self._output(lse, "lse", self.lse_shape, self.lse_strides, np.float32)
+        if workspace is not None:
+            self._check_workspace(workspace)
+        if self.splitkv is None:
+            with self._lock:
+                if self.splitkv is None:
+                    self._prepare_launches()
+        if out is None:
+            out = cupy.empty(self.out_shape, dtype=self.dtype)
+        if lse is None:
+            lse = cupy.empty(self.lse_shape, dtype=np.float32)
+        ws = self._default_workspace() if workspace is None else workspace
         with self._lock:
             # Query rows per kv head are (token, head-in-group) pairs: [b, q_rows, h_kv, 576].
             # With one kv head (and q contiguous) that is q itself, and O's rows are out itself.

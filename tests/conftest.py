@@ -2,6 +2,10 @@
 
 Markers: ``gpu`` (any CUDA GPU), ``hopper`` (an sm_90 GPU: the MLA kernels), ``slow`` (long
 checks, run with ``-m slow`` or ``--run-slow``).
+
+Fuzzing options (tests/test_fuzz.py): ``--fuzz-shapes N`` shapes per dtype (default: environment
+variable ``FLASHMLA_CUPY_FUZZ_SHAPES``, else 40) and ``--fuzz-seed S`` master seed (default:
+``FLASHMLA_CUPY_FUZZ_SEED``, else random; printed, and in every failure message).
 """
 from __future__ import annotations
 
@@ -34,6 +38,11 @@ def hopper_skip_reason() -> str | None:
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+    group = parser.getgroup("flashmla-cupy fuzzing (tests/test_fuzz.py)")
+    group.addoption("--fuzz-shapes", type=int, default=None, metavar="N",
+                    help="random shapes per dtype (default: $FLASHMLA_CUPY_FUZZ_SHAPES or 40)")
+    group.addoption("--fuzz-seed", type=int, default=None, metavar="S",
+                    help="master seed; shape i uses seed S + i (default: $FLASHMLA_CUPY_FUZZ_SEED or random)")
 
 
 def pytest_collection_modifyitems(config, items):

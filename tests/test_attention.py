@@ -1,8 +1,8 @@
 """The minimal FlashAttention forward and manual attention (flashmla_cupy/attention.py).
 
-CPU tests: argument checks (on CuPy array headers over a made-up address: the checks read only
-shapes and dtypes and raise before anything touches a GPU), the parameter struct against its C++
-header, and the NVRTC compile with its ptxas report. GPU tests compare against the float64
+CPU tests: argument checks (on CuPy array headers over a made-up address, tests/fake_arrays.py:
+the checks read only shapes and dtypes and raise before anything touches a GPU), the parameter
+struct against its C++ header, and the NVRTC compile with its ptxas report. GPU tests compare against the float64
 ``reference.attention``.
 
 Tolerances for float32 against float64 (atol 2e-5, rtol 1e-4 on out; atol 2e-5, rtol 1e-5 on
@@ -16,12 +16,14 @@ missed tile: those show up as errors of order 0.1.
 from __future__ import annotations
 
 import ctypes
+import types
 
 import cupy
 import numpy as np
 import pytest
 
-from flashmla_cupy import attention, compiler
+from fake_arrays import HostCudaArrayInterface, HostDLPack, fake_array
+from flashmla_cupy import attention, checks, compiler
 from test_params import parse_structs
 
 SHAPE = (2, 3, 5, 64)
@@ -34,39 +36,32 @@ BOTH = [attention.flash_attn_minimal, attention.manual_attention]
 # Argument checks (CPU)
 # --------------------------------------------------------------------------------------------
 
-def array_header(shape, dtype=np.float32) -> cupy.ndarray:
-    """A CuPy array over a made-up device address: never read, so no GPU is needed."""
-    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    memory = cupy.cuda.UnownedMemory(0x7F00_0000_0000, nbytes, None, device_id=0)
-    return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
-
-
 def qkv_with(name=None, value=None, shape=SHAPE):
     """Valid q, k, v headers of ``shape``, with argument ``name`` replaced by ``value``."""
-    args = {n: array_header(shape) for n in "qkv"}
+    args = {n: fake_array(shape) for n in "qkv"}
     if name is not None:
         args[name] = value
     return args
 
 
-class HostDLPack:
-    """An object in host memory that speaks DLPack (device type 1: kDLCPU)."""
-    def __dlpack__(self, stream=None):
-        raise AssertionError("host memory must be refused before it is exported")
-
-    def __dlpack_device__(self):
-        return (1, 0)
+def host_memory_only(monkeypatch):
+    """Pointers resolve to host memory (a real GPU says so too for a NumPy array's memory)."""
+    attributes = types.SimpleNamespace(type=cupy.cuda.runtime.memoryTypeUnregistered, device=-2)
+    monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes", lambda address: attributes)
 
 
 @pytest.mark.parametrize("fn", BOTH)
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 @pytest.mark.parametrize("value, words", [
-    (np.zeros(SHAPE, np.float32), "NumPy array in host memory"),
-    (HostDLPack(), "DLPack device type is 1"),
-    ([[1.0]], "builtins.list"),
-])
-def test_rejects_non_device_arrays(fn, name, value, words):
-    with pytest.raises(TypeError, match=rf"^{name} must be a float32 GPU array") as e:
+    (np.zeros(SHAPE, np.float32), "got a NumPy array in host memory"),
+    (HostDLPack(1), "DLPack device type is 1"),
+    (HostDLPack(3), "DLPack device type is 3"),
+    (HostCudaArrayInterface(SHAPE, np.float32), "__cuda_array_interface__ points to host memory"),
+    ([[1.0]], "got builtins.list"),
+], ids=["numpy", "dlpack-cpu", "dlpack-cuda-host", "cuda-array-interface", "list"])
+def test_rejects_non_device_arrays(fn, name, value, words, monkeypatch):
+    host_memory_only(monkeypatch)
+    with pytest.raises(TypeError, match=rf"^{name} must be a float32 GPU array \[B, H, N, d\]") as e:
         fn(**qkv_with(name, value))
     assert words in str(e.value)
 
@@ -75,16 +70,16 @@ def test_rejects_non_device_arrays(fn, name, value, words):
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
 def test_rejects_other_dtypes(fn, name, dtype):
-    with pytest.raises(TypeError, match=rf"^{name} must be float32; got {np.dtype(dtype).name}$"):
-        fn(**qkv_with(name, array_header(SHAPE, dtype)))
+    with pytest.raises(TypeError, match=rf"^{name} must have dtype float32; got {np.dtype(dtype).name}$"):
+        fn(**qkv_with(name, fake_array(SHAPE, dtype)))
 
 
 @pytest.mark.parametrize("fn", BOTH)
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 @pytest.mark.parametrize("shape", [(3, 5, 64), (1, 2, 3, 5, 64)])
 def test_rejects_other_ranks(fn, name, shape):
-    with pytest.raises(ValueError, match=rf"^{name} must be 4-D \[B, H, N, d\]; got {len(shape)}-D"):
-        fn(**qkv_with(name, array_header(shape)))
+    with pytest.raises(ValueError, match=rf"^{name} must be 4-D \[B, H, N, d\]; got {len(shape)}-D shape"):
+        fn(**qkv_with(name, fake_array(shape)))
 
 
 @pytest.mark.parametrize("fn", BOTH)
@@ -92,8 +87,16 @@ def test_rejects_other_ranks(fn, name, shape):
 @pytest.mark.parametrize("shape", [(2, 3, 6, 64), (2, 3, 5, 32), (1, 3, 5, 64), (2, 4, 5, 64)])
 def test_rejects_shapes_unlike_q(fn, name, shape):
     with pytest.raises(ValueError, match=rf"^{name} must have q's shape") as e:
-        fn(**qkv_with(name, array_header(shape)))
+        fn(**qkv_with(name, fake_array(shape)))
     assert str(SHAPE) in str(e.value) and str(shape) in str(e.value)
+
+
+@pytest.mark.parametrize("fn", BOTH)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_rejects_arrays_on_another_device(fn, name, monkeypatch):
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    with pytest.raises(ValueError, match=rf"^{name} must be on CuPy's current device 0; got an array on device 1"):
+        fn(**qkv_with(name, fake_array(SHAPE, device=1)))
 
 
 @pytest.mark.parametrize("fn", BOTH)
@@ -298,7 +301,7 @@ class CudaDLPack:
 @pytest.mark.parametrize("wrapper", [CudaArrayInterface, CudaDLPack])
 def test_foreign_device_arrays_are_taken_without_copy(wrapper):
     q, k, v = random_qkv((1, 2, 40, 32), seed=17)
-    assert attention._as_device_array(wrapper(q), "q").data.ptr == q.data.ptr
+    assert checks.device_view(wrapper(q), "q").data.ptr == q.data.ptr
     expected = attention.flash_attn_minimal(q, k, v)
     assert bool((attention.flash_attn_minimal(wrapper(q), wrapper(k), wrapper(v)) == expected).all())
 

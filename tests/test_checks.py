@@ -1,0 +1,494 @@
+"""Argument validation of the MLA functions (flashmla_cupy/checks.py), with and without a GPU.
+
+``CASES`` is a table of calls of ``get_mla_metadata`` and ``flash_mla_with_kvcache`` with one
+wrong argument each. Each row names the exception and words of its message: the message must
+start with the first word (the argument's name) and contain all of them (what was expected and
+what was given).
+
+On the CPU the calls get CuPy array headers over made-up device memory (tests/fake_arrays.py) and
+a fake Hopper GPU (``FakeGPU``): CuPy's current device and stream, the device properties, the
+memory type behind a pointer and ``cupy.asnumpy`` (which serves the NumPy values the test prepared)
+are monkeypatched, and so is the launch layer, which records what would be launched: every row
+also asserts that nothing was. On a Hopper GPU the rows that need no fake run on real arrays,
+floating ones (the ``out`` and ``lse`` buffers among them) poisoned with NaN, and assert that no
+argument's bits changed.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import types
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import cupy
+import numpy as np
+import pytest
+
+import flashmla_cupy
+from fake_arrays import A100, FAKE_ADDRESS, FAKE_SPAN, H100, HostCudaArrayInterface, HostDLPack, fake_array
+from flashmla_cupy import attention, checks, compiler, launch, mla, scheduler
+
+REPO = Path(__file__).resolve().parents[1]
+B, S_Q, H_Q, H_KV, NUM_BLOCKS = 2, 1, 16, 1, 4
+Q_ROWS = S_Q * H_Q // H_KV
+SEQLENS = np.array([100, 64], np.int32)                    # 2 pages and 1 page
+BLOCK_TABLE = np.array([[0, 1], [2, 3]], np.int32)         # room for 128 tokens per request
+BF16 = checks.bfloat16()
+F16, F32, I32, I64 = np.float16, np.float32, np.int32, np.int64
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments: valid ones, built on fake or on real device memory
+# --------------------------------------------------------------------------------------------
+
+class FakeArrays:
+    """Array headers over made-up device memory; ``values`` arrays have host copies that the
+    fake ``cupy.asnumpy`` returns."""
+
+    sm_count = H100["sm_count"]
+
+    def __init__(self):
+        self.host = {}
+
+    def empty(self, shape, dtype, step=1, offset=0, device=0):
+        return fake_array(shape, dtype, step=step, offset=offset, device=device)
+
+    def values(self, host: np.ndarray):
+        arr = fake_array(host.shape, host.dtype)
+        self.host[id(arr)] = host
+        return arr
+
+    def metadata(self, seqlens):
+        parts = scheduler.num_sm_parts(self.sm_count, Q_ROWS, H_KV)
+        return self.empty((parts, scheduler.SCHED_META_INTS), I32), self.empty((seqlens.shape[0] + 1,), I32)
+
+
+class DeviceArrays:
+    """Real arrays on the current GPU: floating ones full of NaN, integer ones zero."""
+
+    def __init__(self):
+        self.sm_count = launch.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
+
+    def empty(self, shape, dtype, step=1, offset=0):
+        """Like ``FakeArrays.empty``: the last axis ``step`` elements apart, ``offset`` elements
+        past an aligned address."""
+        wide = tuple(shape[:-1]) + (shape[-1] * step,)
+        size = int(np.prod(wide))
+        fill = 0 if np.dtype(dtype).kind in "iu" else np.nan
+        base = cupy.full(size + offset, fill, dtype=F32).astype(dtype)
+        return base[offset:].reshape(wide)[..., ::step]
+
+    def values(self, host: np.ndarray):
+        return cupy.asarray(host)
+
+    def metadata(self, seqlens):
+        return flashmla_cupy.get_mla_metadata(seqlens, Q_ROWS, H_KV)
+
+
+def mla_args(arrays) -> dict:
+    seqlens = arrays.values(SEQLENS)
+    metadata, num_splits = arrays.metadata(seqlens)
+    return dict(q=arrays.empty((B, S_Q, H_Q, 576), BF16), k_cache=arrays.empty((NUM_BLOCKS, 64, H_KV, 576), BF16),
+                block_table=arrays.values(BLOCK_TABLE), cache_seqlens=seqlens, head_dim_v=512,
+                tile_scheduler_metadata=metadata, num_splits=num_splits, softmax_scale=None, causal=False,
+                out=arrays.empty((B, S_Q, H_Q, 512), BF16), lse=arrays.empty((B, H_Q, S_Q), F32))
+
+
+def metadata_args(arrays) -> dict:
+    return dict(cache_seqlens=arrays.values(SEQLENS), num_heads_per_head_k=Q_ROWS, num_heads_k=H_KV)
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+MLA = flashmla_cupy.flash_mla_with_kvcache
+METADATA = flashmla_cupy.get_mla_metadata
+
+
+@dataclass
+class Case:
+    id: str
+    edit: Callable[[dict, object], None]   # (arguments, arrays): put the wrong argument in
+    error: type
+    words: tuple                           # the message starts with words[0] and contains all;
+                                           # a callable word is called with the arrays' sm_count
+    fn: Callable = MLA
+    values: bool = False                   # value checks on (they are off for the other rows)
+    cpu_only: bool = False                 # needs the fake GPU: another device or architecture
+    props: dict = field(default_factory=lambda: H100)
+
+
+def arg(name, make):
+    """An edit that makes argument ``name`` ``make(arrays)``."""
+    def edit(args, arrays):
+        args[name] = make(arrays)
+    return edit
+
+
+def row(id, name, make, error, *words, **options) -> Case:
+    """A case whose argument ``name`` is ``make(arrays)``; its message starts with ``name``."""
+    return Case(id, arg(name, make), error, (name, *words), **options)
+
+
+def seqlens_row(id, seqlens, *words, fn=MLA) -> Case:
+    return row(id, "cache_seqlens", lambda a: a.values(np.array(seqlens, I32)), ValueError, *words,
+               fn=fn, values=True)
+
+
+def table_row(id, table, *words) -> Case:
+    return row(id, "block_table", lambda a: a.values(np.array(table, I32)), ValueError, *words, values=True)
+
+
+def q_shape(b=B, s_q=S_Q, h_q=H_Q, d=576):
+    return lambda a: a.empty((b, s_q, h_q, d), BF16)
+
+
+def cache_shape(blocks=NUM_BLOCKS, page=64, h_kv=H_KV, d=576):
+    return lambda a: a.empty((blocks, page, h_kv, d), BF16)
+
+
+CASES = [
+    # Not a GPU array, or on another device
+    row("q-numpy", "q", lambda a: np.zeros((B, S_Q, H_Q, 576), F16), TypeError,
+        "must be a GPU array", "NumPy array in host memory"),
+    row("k_cache-host-dlpack", "k_cache", lambda a: HostDLPack(1), TypeError,
+        "must be a GPU array", "HostDLPack whose DLPack device type is 1"),
+    row("k_cache-pinned-dlpack", "k_cache", lambda a: HostDLPack(3), TypeError,
+        "must be a GPU array", "DLPack device type is 3"),
+    row("block_table-host-cuda-array-interface", "block_table", lambda a: HostCudaArrayInterface(), TypeError,
+        "must be a GPU array", "__cuda_array_interface__ points to host memory"),
+    row("cache_seqlens-list", "cache_seqlens", lambda a: [100, 64], TypeError, "must be a GPU array", "builtins.list"),
+    row("num_splits-none", "num_splits", lambda a: None, TypeError, "must be a GPU array", "NoneType"),
+    row("tile_scheduler_metadata-other-device", "tile_scheduler_metadata",
+        lambda a: a.empty((a.sm_count, 8), I32, device=1), ValueError,
+        "must be on CuPy's current device 0", "on device 1", cpu_only=True),
+    row("out-other-device", "out", lambda a: a.empty((B, S_Q, H_Q, 512), BF16, device=1), ValueError,
+        "must be on CuPy's current device 0", "on device 1", cpu_only=True),
+    # dtypes
+    row("q-float32", "q", lambda a: a.empty((B, S_Q, H_Q, 576), F32), TypeError,
+        "must have dtype bfloat16 or float16", "got float32"),
+    row("k_cache-not-q-dtype", "k_cache", lambda a: a.empty((NUM_BLOCKS, 64, H_KV, 576), F16), TypeError,
+        "must have q's dtype bfloat16", "got float16"),
+    row("block_table-int64", "block_table", lambda a: a.values(BLOCK_TABLE.astype(I64)), TypeError,
+        "must have dtype int32", "got int64"),
+    row("cache_seqlens-int64", "cache_seqlens", lambda a: a.values(SEQLENS.astype(I64)), TypeError,
+        "must have dtype int32", "got int64"),
+    row("tile_scheduler_metadata-int64", "tile_scheduler_metadata", lambda a: a.empty((a.sm_count, 8), I64),
+        TypeError, "must have dtype int32", "got int64"),
+    row("num_splits-int64", "num_splits", lambda a: a.empty((B + 1,), I64), TypeError,
+        "must have dtype int32", "got int64"),
+    # ranks and sizes
+    row("q-3d", "q", lambda a: a.empty((B, H_Q, 576), BF16), ValueError, "must be 4-D", "got 3-D shape (2, 16, 576)"),
+    row("k_cache-3d", "k_cache", lambda a: a.empty((NUM_BLOCKS * 64, H_KV, 576), BF16), ValueError,
+        "must be 4-D", "got 3-D shape (256, 1, 576)"),
+    row("block_table-1d", "block_table", lambda a: a.values(BLOCK_TABLE.ravel()), ValueError,
+        "must be 2-D", "got 1-D shape (4,)"),
+    row("cache_seqlens-2d", "cache_seqlens", lambda a: a.values(SEQLENS[:, None]), ValueError,
+        "must be 1-D", "got 2-D shape (2, 1)"),
+    row("q-head-dim-512", "q", q_shape(d=512), ValueError, "must have head dim (axis 3) 576", "(2, 1, 16, 512)"),
+    row("k_cache-head-dim-512", "k_cache", cache_shape(d=512), ValueError,
+        "must have head dim (axis 3) 576", "(4, 64, 1, 512)"),
+    row("head_dim_v-576", "head_dim_v", lambda a: 576, ValueError, "must be 512", "got 576"),
+    row("head_dim_v-str", "head_dim_v", lambda a: "512", TypeError, "must be an int", "str '512'"),
+    row("k_cache-page-32", "k_cache", cache_shape(page=32), ValueError,
+        "must have page block size (axis 1) 64", "(4, 32, 1, 576)"),
+    Case("q-heads-not-multiple-of-kv-heads", arg("k_cache", cache_shape(h_kv=3)), ValueError,
+         ("q", "must have a positive multiple of k_cache's 3 heads", "(2, 1, 16, 576)")),
+    row("q-s_q-0", "q", q_shape(s_q=0), ValueError, "at least one query token", "(2, 0, 16, 576)"),
+    row("q-batch-0", "q", q_shape(b=0), ValueError, "at least one request", "(0, 1, 16, 576)"),
+    row("k_cache-no-blocks", "k_cache", cache_shape(blocks=0), ValueError, "at least one block", "(0, 64, 1, 576)"),
+    row("block_table-3-rows", "block_table", lambda a: a.values(np.zeros((3, 2), I32)), ValueError,
+        "one row per request (2)", "(3, 2)"),
+    row("cache_seqlens-3-entries", "cache_seqlens", lambda a: a.values(np.zeros(3, I32)), ValueError,
+        "must have shape (2,)", "got (3,)"),
+    # layout
+    row("q-last-dim-strided", "q", lambda a: a.empty((B, S_Q, H_Q, 576), BF16, step=2), ValueError,
+        "must be contiguous in its last dimension (stride 2 bytes)", "strides (36864, 36864, 2304, 4)"),
+    row("k_cache-last-dim-strided", "k_cache", lambda a: a.empty((NUM_BLOCKS, 64, H_KV, 576), BF16, step=2),
+        ValueError, "must be contiguous in its last dimension", "strides (147456, 2304, 2304, 4)"),
+    row("block_table-last-dim-strided", "block_table", lambda a: a.empty((B, 2), I32, step=2), ValueError,
+        "must be contiguous in its last dimension", "strides (16, 8)"),
+    row("cache_seqlens-strided", "cache_seqlens", lambda a: a.empty((B,), I32, step=3), ValueError,
+        "must be C-contiguous", "strides (12,)"),
+    row("tile_scheduler_metadata-strided", "tile_scheduler_metadata", lambda a: a.empty((a.sm_count, 8), I32, step=2),
+        ValueError, "must be C-contiguous", "strides (64, 8)"),
+    row("num_splits-strided", "num_splits", lambda a: a.empty((B + 1,), I32, step=2), ValueError,
+        "must be C-contiguous", "strides (8,)"),
+    row("k_cache-misaligned", "k_cache", lambda a: a.empty((NUM_BLOCKS, 64, H_KV, 576), BF16, offset=1), ValueError,
+        "must start on a 16-byte boundary", "address 0x"),
+    # metadata of another batch or head layout
+    row("tile_scheduler_metadata-of-128-heads", "tile_scheduler_metadata",
+        lambda a: a.empty((scheduler.num_sm_parts(a.sm_count, 128, 1), 8), I32), ValueError,
+        lambda sm_count: f"must have shape ({scheduler.num_sm_parts(sm_count, Q_ROWS, H_KV)}, 8)",
+        "s_q * h_q // h_kv = 16, h_kv = 1",
+        lambda sm_count: f"got ({scheduler.num_sm_parts(sm_count, 128, 1)}, 8)"),
+    row("num_splits-of-batch-3", "num_splits", lambda a: a.empty((4,), I32), ValueError,
+        "must have shape (3,)", "got (4,)"),
+    # scalars
+    row("softmax_scale-0", "softmax_scale", lambda a: 0.0, ValueError, "must be positive and finite", "got 0.0"),
+    row("softmax_scale-negative", "softmax_scale", lambda a: -0.1, ValueError, "must be positive", "got -0.1"),
+    row("softmax_scale-nan", "softmax_scale", lambda a: float("nan"), ValueError, "finite in float32", "got nan"),
+    row("softmax_scale-str", "softmax_scale", lambda a: "0.1", TypeError, "must be a real number", "str '0.1'"),
+    row("causal-str", "causal", lambda a: "false", TypeError, "must be a bool", "str 'false'"),
+    row("causal-int", "causal", lambda a: 1, TypeError, "must be a bool", "int 1"),
+    # outputs
+    row("out-numpy", "out", lambda a: np.zeros((B, S_Q, H_Q, 512), F16), TypeError, "NumPy array in host memory"),
+    row("out-shape-576", "out", lambda a: a.empty((B, S_Q, H_Q, 576), BF16), ValueError,
+        "must have shape (2, 1, 16, 512)", "got (2, 1, 16, 576)"),
+    row("out-float16", "out", lambda a: a.empty((B, S_Q, H_Q, 512), F16), TypeError,
+        "must have dtype bfloat16", "got float16"),
+    row("out-strided", "out", lambda a: a.empty((B, S_Q, H_Q, 512), BF16, step=2), ValueError,
+        "must be C-contiguous", "strides (32768, 32768, 2048, 4)"),
+    row("lse-shape-of-out-layout", "lse", lambda a: a.empty((B, S_Q, H_Q), F32), ValueError,
+        "must have shape (2, 16, 1)", "got (2, 1, 16)"),
+    row("lse-bfloat16", "lse", lambda a: a.empty((B, H_Q, S_Q), BF16), TypeError,
+        "must have dtype float32", "got bfloat16"),
+    # values in device memory
+    seqlens_row("cache_seqlens-negative", [100, -1], "cache_seqlens[1] must be in [0, 128]", "got -1"),
+    seqlens_row("cache_seqlens-beyond-block_table", [129, 64], "cache_seqlens[0] must be in [0, 128]",
+                "2 pages of 64 tokens", "got 129"),
+    table_row("block_table-id-past-cache", [[0, 1], [4, 3]], "block_table[1, 0] must be a block of k_cache",
+              "0 <= id < 4", "got 4"),
+    table_row("block_table-negative-id", [[0, -1], [2, 3]], "block_table[0, 1] must be a block of k_cache",
+              "got -1"),
+    # the device
+    Case("mla-on-a100", lambda args, arrays: None, flashmla_cupy.UnsupportedDeviceError,
+         ("the current device must be a Hopper GPU", "NVIDIA A100-SXM4-80GB (sm_80)"), cpu_only=True, props=A100),
+    # get_mla_metadata
+    row("metadata-cache_seqlens-numpy", "cache_seqlens", lambda a: SEQLENS.copy(), TypeError,
+        "must be a GPU array", "NumPy array in host memory", fn=METADATA),
+    row("metadata-cache_seqlens-int64", "cache_seqlens", lambda a: a.values(SEQLENS.astype(I64)), TypeError,
+        "must have dtype int32", "got int64", fn=METADATA),
+    row("metadata-cache_seqlens-2d", "cache_seqlens", lambda a: a.values(SEQLENS[None]), ValueError,
+        "must be 1-D [batch]", "got 2-D shape (1, 2)", fn=METADATA),
+    row("metadata-batch-0", "cache_seqlens", lambda a: a.values(np.zeros(0, I32)), ValueError,
+        "at least one request", "got shape (0,)", fn=METADATA),
+    row("metadata-cache_seqlens-strided", "cache_seqlens", lambda a: a.empty((B,), I32, step=2), ValueError,
+        "must be C-contiguous", "strides (8,)", fn=METADATA),
+    row("metadata-cache_seqlens-other-device", "cache_seqlens", lambda a: a.empty((B,), I32, device=1), ValueError,
+        "must be on CuPy's current device 0", "on device 1", fn=METADATA, cpu_only=True),
+    row("metadata-num_heads_k-0", "num_heads_k", lambda a: 0, ValueError, "must be >= 1", "got 0", fn=METADATA),
+    row("metadata-num_heads_per_head_k-0", "num_heads_per_head_k", lambda a: 0, ValueError,
+        "must be >= 1", "got 0", fn=METADATA),
+    row("metadata-num_heads_per_head_k-float", "num_heads_per_head_k", lambda a: 16.0, TypeError,
+        "must be an int", "float 16.0", fn=METADATA),
+    seqlens_row("metadata-cache_seqlens-negative", [100, -5], "cache_seqlens[1] must be >= 0", "got -5", fn=METADATA),
+    Case("metadata-on-a100", lambda args, arrays: None, flashmla_cupy.UnsupportedDeviceError,
+         ("the current device must be a Hopper GPU", "NVIDIA A100-SXM4-80GB (sm_80)"), fn=METADATA, cpu_only=True,
+         props=A100),
+]
+GPU_CASES = [c for c in CASES if not c.cpu_only]
+
+
+def call_args(case: Case, arrays) -> dict:
+    args = metadata_args(arrays) if case.fn is METADATA else mla_args(arrays)
+    case.edit(args, arrays)
+    return args
+
+
+def check_message(case: Case, error: Exception, sm_count: int) -> None:
+    message = str(error)
+    words = [w(sm_count) if callable(w) else w for w in case.words]
+    assert message.startswith(words[0]), f"message does not start with {words[0]!r}: {message}"
+    missing = [w for w in words if w not in message]
+    assert not missing, f"message lacks {missing}: {message}"
+
+
+# --------------------------------------------------------------------------------------------
+# The fake GPU (CPU tests)
+# --------------------------------------------------------------------------------------------
+
+class FakeLaunch:
+    """``launch.Launch`` without a GPU: a real parameter struct; calls are recorded."""
+
+    def __init__(self, params_type, launches: list):
+        self.buffer = bytearray(ctypes.sizeof(params_type))
+        self.params = params_type.from_buffer(self.buffer)
+        self.params_address = ctypes.addressof(self.params)
+        self._launches = launches
+
+    def __call__(self):
+        self._launches.append(self)
+
+
+class FakeKernel:
+    """``launch.Kernel`` without a GPU: launches are recorded, nothing is compiled."""
+
+    def __init__(self, launches: list):
+        self._launches = launches
+
+    def prepare(self, grid, block, params_type, **options):
+        return FakeLaunch(params_type, self._launches)
+
+    def launch(self, grid, block, params, **options):
+        self._launches.append(params)
+
+
+_REAL_GET_KERNEL = launch.get_kernel
+
+
+class FakeGPU:
+    """A GPU for code that reads array headers only: see the module docstring."""
+
+    def __init__(self, monkeypatch):
+        self.arrays = FakeArrays()
+        self.props = H100
+        self.capturing = False
+        self.launches = []
+        stream = types.SimpleNamespace(ptr=0, is_capturing=lambda: self.capturing)
+        monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
+        monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes", self.pointer_attributes)
+        monkeypatch.setattr(cupy, "asnumpy", lambda arr: self.arrays.host[id(arr)])
+        monkeypatch.setattr(launch, "device_properties", lambda device_id: self.props)
+        monkeypatch.setattr(launch, "get_kernel", lambda program, name, *args: FakeKernel(self.launches))
+        monkeypatch.setattr(mla, "_plans", OrderedDict())     # plans built on fakes must not outlive the test
+
+    @staticmethod
+    def pointer_attributes(address: int):
+        rt = cupy.cuda.runtime
+        on_device = FAKE_ADDRESS <= address < FAKE_ADDRESS + FAKE_SPAN
+        return types.SimpleNamespace(type=rt.memoryTypeDevice if on_device else rt.memoryTypeUnregistered, device=0)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch) -> FakeGPU:
+    return FakeGPU(monkeypatch)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU tests
+# --------------------------------------------------------------------------------------------
+
+def test_valid_arguments_pass_every_check(fake_gpu):
+    # The table's rows differ from these arguments in one argument only: that is what they test.
+    args = mla_args(fake_gpu.arrays)
+    out, lse = args.pop("out"), args.pop("lse")
+    inputs = checks.mla_inputs(**args)
+    assert (inputs.batch, inputs.s_q, inputs.h_q, inputs.h_kv, inputs.num_sm_parts) == (B, S_Q, H_Q, H_KV, 132)
+    assert checks.output_array(out, "out", (B, S_Q, H_Q, 512), BF16) is out
+    assert checks.output_array(lse, "lse", (B, H_Q, S_Q), F32) is lse
+    seqlens, heads_per_kv, h_kv, props = checks.metadata_inputs(**metadata_args(fake_gpu.arrays))
+    assert (seqlens.shape, heads_per_kv, h_kv, props) == ((B,), Q_ROWS, H_KV, H100)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_rejects(case, fake_gpu):
+    args = call_args(case, fake_gpu.arrays)
+    fake_gpu.props = case.props
+    with checks.value_checks(case.values), pytest.raises(case.error) as e:
+        case.fn(**args)
+    check_message(case, e.value, fake_gpu.arrays.sm_count)
+    assert fake_gpu.launches == []
+
+
+@pytest.mark.parametrize("fn", [METADATA, MLA, attention.flash_attn_minimal],
+                         ids=["get_mla_metadata", "flash_mla_with_kvcache", "flash_attn_minimal"])
+@pytest.mark.parametrize("host_object", [HostDLPack(1), HostDLPack(3), HostCudaArrayInterface()],
+                         ids=["dlpack-cpu", "dlpack-cuda-host", "cuda-array-interface"])
+def test_host_memory_behind_gpu_array_protocols_is_refused(fn, host_object, fake_gpu):
+    if fn is METADATA:
+        args = dict(metadata_args(fake_gpu.arrays), cache_seqlens=host_object)
+    elif fn is MLA:
+        args = dict(mla_args(fake_gpu.arrays), q=host_object)
+    else:
+        args = dict(q=host_object, k=fake_array((1, 1, 4, 32)), v=fake_array((1, 1, 4, 32)))
+    name = next(n for n, x in args.items() if x is host_object)
+    with pytest.raises(TypeError, match=rf"^{name} must be a .*GPU array.*; got a fake_arrays\.Host"):
+        fn(**args)
+
+
+def test_non_hopper_gpu_is_refused_before_any_compile(fake_gpu, monkeypatch):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("NVRTC compile attempted on a non-Hopper GPU")
+
+    monkeypatch.setattr(launch, "get_kernel", _REAL_GET_KERNEL)    # would compile and load
+    monkeypatch.setattr(compiler, "build", no_compile)
+    monkeypatch.setattr(compiler, "compile_program", no_compile)
+    fake_gpu.props = A100
+    with pytest.raises(flashmla_cupy.UnsupportedDeviceError, match="sm_80"):
+        METADATA(**metadata_args(fake_gpu.arrays))
+    with pytest.raises(flashmla_cupy.UnsupportedDeviceError, match="sm_80"):
+        MLA(**mla_args(fake_gpu.arrays))
+
+
+def _with_seqlens(arrays, seqlens, table=BLOCK_TABLE):
+    args = mla_args(arrays)
+    args.pop("out"), args.pop("lse")
+    args["cache_seqlens"] = arrays.values(np.array(seqlens, I32))
+    args["block_table"] = arrays.values(np.array(table, I32))
+    return args
+
+
+def test_value_checks_can_be_turned_off(fake_gpu, monkeypatch):
+    args = _with_seqlens(fake_gpu.arrays, [-1, 500])
+    monkeypatch.setattr(checks, "_value_checks", True)      # the default; restored after the test
+    with pytest.raises(ValueError, match=r"^cache_seqlens\[0\]"):
+        checks.mla_inputs(**args)
+    with checks.value_checks(False):
+        checks.mla_inputs(**args)
+    checks.set_value_checks(False)
+    checks.mla_inputs(**args)
+    checks.metadata_inputs(args["cache_seqlens"], Q_ROWS, H_KV)
+
+
+def test_value_checks_are_skipped_during_graph_capture(fake_gpu):
+    args = _with_seqlens(fake_gpu.arrays, [-1, 500])
+    fake_gpu.capturing = True
+    with checks.value_checks(True):
+        checks.mla_inputs(**args)
+        checks.metadata_inputs(args["cache_seqlens"], Q_ROWS, H_KV)
+
+
+def test_unused_block_table_entries_may_hold_anything(fake_gpu):
+    # Request 0 (64 tokens) uses its first column only, request 1 (no tokens) none: the other
+    # entries are never read. With 65 tokens request 0 uses its second column too.
+    checks.mla_inputs(**_with_seqlens(fake_gpu.arrays, [64, 0], table=[[0, 99], [-5, 2**31 - 1]]))
+    with pytest.raises(ValueError, match=r"^block_table\[0, 1\]"):
+        checks.mla_inputs(**_with_seqlens(fake_gpu.arrays, [65, 0], table=[[0, 99], [-5, 2**31 - 1]]))
+
+
+@pytest.mark.parametrize("setting, enabled", [("0", False), ("off", False), ("1", True), (None, True)])
+def test_environment_variable_sets_the_default(setting, enabled):
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMLA_CUPY_VALUE_CHECKS"}
+    if setting is not None:
+        env["FLASHMLA_CUPY_VALUE_CHECKS"] = setting
+    code = "import flashmla_cupy.checks as c; print(c._value_checks)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == str(enabled)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU tests: real arrays; nothing the caller passed is written when a call raises
+# --------------------------------------------------------------------------------------------
+
+def _bits(args: dict) -> dict:
+    return {name: cupy.asnumpy(x).tobytes() for name, x in args.items() if isinstance(x, cupy.ndarray)}
+
+
+@pytest.mark.hopper
+def test_gpu_valid_arguments_run():
+    args = mla_args(DeviceArrays())
+    with checks.value_checks(True):
+        out, lse = MLA(**args)
+    assert out is args["out"] and lse is args["lse"]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id for c in GPU_CASES])
+def test_gpu_rejects_and_writes_nothing(case):
+    arrays = DeviceArrays()
+    args = call_args(case, arrays)
+    before = _bits(args)
+    with checks.value_checks(case.values), pytest.raises(case.error) as e:
+        case.fn(**args)
+    check_message(case, e.value, arrays.sm_count)
+    cupy.cuda.Device().synchronize()
+    assert _bits(args) == before
