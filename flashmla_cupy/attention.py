@@ -58,6 +58,11 @@ PROGRAM = Program(
 )
 
 
+
+def all_programs() -> list[Program]:
+    """Every program of this module (for ahead-of-time builds: ``flashmla-cupy compile``)."""
+    return [PROGRAM]
+
 def head_dim_tile(head_dim: int) -> int:
     """The compiled variant serving ``head_dim``: the smallest tile width that holds it."""
     return next(t for t in HEAD_DIM_TILES if head_dim <= t)

@@ -236,6 +236,19 @@ class MLAInputs:
     softmax_scale: float
     causal: bool
     num_sm_parts: int
+    # layout facts the kernels' host side needs, kept when the arrays are dropped
+    dtype: np.dtype | None = None
+    q_contiguous: bool | None = None
+    k_cache_shape: tuple | None = None
+    k_cache_strides: tuple | None = None
+    block_table_stride: int | None = None
+
+    def __post_init__(self):
+        if self.q is not None:
+            self.dtype = self.q.dtype
+            self.q_contiguous = bool(self.q.flags.c_contiguous)
+            self.k_cache_shape, self.k_cache_strides = tuple(self.k_cache.shape), tuple(self.k_cache.strides)
+            self.block_table_stride = self.block_table.strides[0] // self.block_table.itemsize
 
     @property
     def heads_per_kv(self) -> int:
@@ -327,7 +340,7 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     inputs = MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                        batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
     if value_checks_enabled():
-        check_values(inputs)
+        check_values(inputs.cache_seqlens, inputs.block_table, inputs.k_cache.shape[0])
     return inputs
 
 
@@ -341,19 +354,18 @@ def output_array(x, name: str, shape: tuple, dtype) -> cupy.ndarray:
     return arr
 
 
-def check_values(inputs: MLAInputs) -> None:
+def check_values(cache_seqlens, block_table, num_blocks: int) -> None:
     """Sequence lengths within [0, 64 * max_blocks]; the block ids they use within the cache."""
-    seqlens = cupy.asnumpy(inputs.cache_seqlens)
-    columns = inputs.block_table.shape[1]
+    seqlens = cupy.asnumpy(cache_seqlens)
+    columns = block_table.shape[1]
     capacity = columns * PAGE_BLOCK_SIZE
     bad = np.flatnonzero((seqlens < 0) | (seqlens > capacity))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"cache_seqlens[{i}] must be in [0, {capacity}] (block_table holds {columns} "
                          f"pages of {PAGE_BLOCK_SIZE} tokens per request); got {int(seqlens[i])}")
-    table = cupy.asnumpy(inputs.block_table)
+    table = cupy.asnumpy(block_table)
     used = np.arange(columns)[None, :] < -(-seqlens[:, None] // PAGE_BLOCK_SIZE)
-    num_blocks = inputs.k_cache.shape[0]
     rows, cols = np.nonzero(used & ((table < 0) | (table >= num_blocks)))
     if rows.size:
         r, c = int(rows[0]), int(cols[0])

@@ -22,9 +22,6 @@ from .compiler import Program
 from .params import CombineParams, MetadataParams, SplitKVParams, layout_defines
 
 SPLITKV_THREADS = 256
-# L2 policies of TMA loads (CUTLASS's CacheHintSm90 values; cuda_src/common/tma.cuh).
-L2_EVICT_NORMAL = 0x1000000000000000
-L2_EVICT_FIRST = 0x12F0000000000000
 COMBINE_WARPS = 8
 _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
@@ -146,8 +143,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             if len(_plans) > _MAX_PLANS:
                 _plans.popitem(last=False)
     elif checks.value_checks_enabled():
-        checks.check_values(dataclasses.replace(plan.inputs, k_cache=k_cache, block_table=block_table,
-                                                cache_seqlens=cache_seqlens))
+        checks.check_values(cache_seqlens, block_table, k_cache.shape[0])
     return plan.run(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                     out, lse, workspace)
 
@@ -183,14 +179,8 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata) -> MLAWorkspace:
     return MLAWorkspace(batch, s_q, h_q, h_kv, meta.shape[0], q.dtype)
 
 
-_MAX_PLANS = 32
+_MAX_PLANS = 16
 _plans: OrderedDict[tuple, "_Plan"] = OrderedDict()
-
-
-def kv_l2_hint(m_blocks: int) -> int:
-    """L2 policy for the cache pages: streamed once (evict first) when one CTA reads each page;
-    kept (normal) when several query-row blocks' CTAs read the same page at about the same time."""
-    return L2_EVICT_FIRST if m_blocks == 1 else L2_EVICT_NORMAL
 
 
 def _layout(x) -> tuple:
@@ -228,8 +218,10 @@ class _Plan:
     a workspace, for calls with one shape on one device and stream."""
 
     def __init__(self, a: checks.MLAInputs):
-        self.inputs = a
-        self.dtype = a.q.dtype
+        # Sizes only: a plan must not keep the caller's arrays (the cache can be many GB) alive.
+        self.inputs = a = dataclasses.replace(a, q=None, k_cache=None, block_table=None, cache_seqlens=None,
+                                              tile_scheduler_metadata=None, num_splits=None)
+        self.dtype = a.dtype
         self.device_id = cupy.cuda.runtime.getDevice()
         self.out_shape = (a.batch, a.s_q, a.h_q, checks.HEAD_DIM_V)
         self.lse_shape = (a.batch, a.h_q, a.s_q)
@@ -244,10 +236,10 @@ class _Plan:
         rows_o = (a.batch, a.q_rows, a.h_kv, checks.HEAD_DIM_V)
         self._maps = [  # (field offset, shape, byte strides, last encoded address)
             [SplitKVParams.tma_q.offset, rows_q, tuple(esize * x for x in _contiguous_strides(rows_q)), None],
-            [SplitKVParams.tma_kv.offset, tuple(a.k_cache.shape), tuple(a.k_cache.strides), None],
+            [SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, None],
             [SplitKVParams.tma_o.offset, rows_o, tuple(esize * x for x in _contiguous_strides(rows_o)), None],
         ]
-        self.q_is_rows = a.h_kv == 1 and a.q.flags.c_contiguous
+        self.q_is_rows = a.h_kv == 1 and a.q_contiguous
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
 
@@ -260,8 +252,7 @@ class _Plan:
             (num_m_blocks, a.h_kv, a.num_sm_parts), (SPLITKV_THREADS, 1, 1), SplitKVParams,
             smem=SPLITKV_SMEM_BYTES, pdl=True)
         p = self.splitkv.params
-        p.block_table_stride = a.block_table.strides[0] // 4
-        p.kv_l2_hint = kv_l2_hint(num_m_blocks)
+        p.block_table_stride = a.block_table_stride
         p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.batch, a.s_q, a.q_rows, a.heads_per_kv
         p.h_q, p.h_kv, p.causal = a.h_q, a.h_kv, int(a.causal)
         p.scale_log2 = a.softmax_scale * math.log2(math.e)
@@ -276,7 +267,7 @@ class _Plan:
         self._splitkv_pointers = _pointer_run(SplitKVParams, _SPLITKV_POINTERS)
         self._combine_pointers = _pointer_run(CombineParams, _COMBINE_POINTERS)
 
-    def _own_workspace_(self) -> MLAWorkspace:
+    def _default_workspace(self) -> MLAWorkspace:
         if self._own_workspace is None:
             self._own_workspace = MLAWorkspace(*self.workspace_signature[1:])
         return self._own_workspace

@@ -30,7 +30,6 @@ class SplitKVParams(ctypes.Structure):
         ("lse_accum", ctypes.c_uint64),
         ("o_accum", ctypes.c_uint64),
         ("block_table_stride", ctypes.c_int64),
-        ("kv_l2_hint", ctypes.c_int64),
         ("batch", ctypes.c_int32),
         ("s_q", ctypes.c_int32),
         ("q_rows", ctypes.c_int32),

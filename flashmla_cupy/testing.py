@@ -13,6 +13,9 @@ import cupy
 import ml_dtypes
 import numpy as np
 
+import flashmla_cupy
+from flashmla_cupy import reference
+
 PAGE = 64
 D_K = 576
 D_V = 512
@@ -84,3 +87,50 @@ def _random(rng: np.random.Generator, shape, dtype: str) -> cupy.ndarray:
 def poisoned(shape, dtype) -> cupy.ndarray:
     """An output buffer full of NaN: any element the kernel fails to write stays NaN."""
     return cupy.full(shape, np.nan, dtype=np.float32).astype(dtype)
+
+
+# |out - ref| <= atol + rtol * |ref|: P and O are rounded to the input precision (bf16: 8 bits,
+# fp16: 11 bits of mantissa); lse is computed in fp32 from fp32 scores.
+OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3)}
+LSE_TOL = (1e-3, 1e-5)
+
+
+def run_kernel(inp: MLAInputs, causal: bool, softmax_scale=None):
+    """get_mla_metadata + flash_mla_with_kvcache into NaN-poisoned outputs."""
+    metadata, num_splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, inp.s_q * inp.h_q // inp.h_kv, inp.h_kv)
+    b = len(inp.seqlens)
+    out = poisoned((b, inp.s_q, inp.h_q, 512), inp.q.dtype)
+    lse = poisoned((b, inp.h_q, inp.s_q), np.float32)
+    res = flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                               metadata, num_splits, softmax_scale=softmax_scale,
+                                               causal=causal, out=out, lse=lse)
+    assert res[0] is out and res[1] is lse
+    return out, lse
+
+
+def check_against_reference(inp: MLAInputs, out, lse, causal: bool, dtype: str, softmax_scale=None):
+    """Assert that (out, lse) match the float64 reference (tolerances above); return the errors."""
+    ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                            softmax_scale=softmax_scale, causal=causal)
+    out64 = out.astype(np.float32).astype(np.float64)
+    lse64 = lse.astype(np.float64)
+    what = inp.describe() + f" causal={causal}"
+
+    assert bool(cupy.isfinite(out64).all()), f"non-finite out (unwritten or NaN leak): {what}"
+    assert bool((cupy.isinf(lse64) == cupy.isinf(ref_lse)).all()), f"+inf lse rows differ: {what}"
+    assert not bool(cupy.isnan(lse64).any()), f"NaN lse: {what}"
+    finite = cupy.isfinite(ref_lse)
+
+    atol, rtol = OUT_TOL[dtype]
+    out_excess = float(cupy.max(cupy.abs(out64 - ref_out) - (atol + rtol * cupy.abs(ref_out))))
+    assert out_excess <= 0, f"out error beyond {atol}+{rtol}|ref| by {out_excess:.3g}: {what}"
+    latol, lrtol = LSE_TOL
+    lse_err = cupy.where(finite, cupy.abs(lse64 - ref_lse) - (latol + lrtol * cupy.abs(ref_lse)), 0)
+    assert float(lse_err.max()) <= 0, f"lse error beyond tolerance by {float(lse_err.max()):.3g}: {what}"
+
+    cos_out = reference.cos_diff(out64, ref_out)
+    cos_lse = reference.cos_diff(cupy.where(finite, lse64, 0), cupy.where(finite, ref_lse, 0))
+    assert cos_out < 1e-5 and cos_lse < 1e-5, f"cos_diff out {cos_out:.3g} lse {cos_lse:.3g}: {what}"
+    return {"max_abs_out": reference.max_abs_error(out64, ref_out),
+            "max_abs_lse": reference.max_abs_error(lse64, ref_lse), "cos_diff_out": cos_out,
+            "cos_diff_lse": cos_lse}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -16,6 +17,7 @@ from .launch import _driver, check
 
 _CACHE_SIZE = 256
 _cache: OrderedDict[tuple, bytes] = OrderedDict()
+_cache_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,10 +41,11 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
     instruction. Out-of-bounds elements of a box read as zero and are not written on stores.
     """
     key = (address, np.dtype(dtype).str, dims, strides_bytes, box, swizzle_128b)
-    hit = _cache.get(key)
-    if hit is not None:
-        _cache.move_to_end(key)
-        return hit
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
     drv = _driver()
     rank = len(dims)
     swizzle = (drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b
@@ -59,9 +62,10 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     ))
     raw = ctypes.string_at(tensor_map.getPtr(), 128)
-    _cache[key] = raw
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    with _cache_lock:
+        _cache[key] = raw
+        if len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
     return raw
 
 

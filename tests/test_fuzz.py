@@ -6,7 +6,7 @@ page boundaries, medium and long ones (up to 20,000), often one long request amo
 (the scheduler splits it over several SM parts: the combine path); causal on or off; sometimes a
 non-default softmax_scale; spare cache blocks and garbage block-table columns. The inputs come
 from ``flashmla_cupy.testing.make_inputs`` (permuted block ids, NaN in every cache slot that no
-request may read) and the kernel's out and lse are checked with tests/test_mla.py's criteria and
+request may read) and the kernel's out and lse are checked with flashmla_cupy.testing's criteria and
 tolerances (``run_kernel``, ``check_against_reference``). One shape in ten is run a second time
 with fresh arrays of the same shapes: that call reuses the cached plan of the first and must
 re-encode the tensor maps for the new addresses.
@@ -33,8 +33,7 @@ import numpy as np
 import pytest
 
 from flashmla_cupy import launch, mla, scheduler
-from flashmla_cupy.testing import PAGE, make_inputs
-from test_mla import check_against_reference, run_kernel
+from flashmla_cupy.testing import PAGE, check_against_reference, make_inputs, run_kernel
 
 pytestmark = pytest.mark.hopper
 

@@ -12,7 +12,7 @@ The big-batch tests check every request without the reference (out finite, lse =
 the rows that see no token) and a subset of requests against it: a request's result does not
 depend on the others, so the subset is copied into inputs of its own (its pages into a small
 cache, one basic-indexing copy per page) and the float64 reference runs on just those. Criteria
-and tolerances are tests/test_mla.py's (``run_kernel``, ``check_against_reference``).
+and tolerances are flashmla_cupy.testing's (``run_kernel``, ``check_against_reference``).
 
 Peak GPU memory is about 35 GB (batch 70,000); every test frees what it used.
 """
@@ -28,8 +28,7 @@ import pytest
 
 import flashmla_cupy
 from flashmla_cupy import launch, mla, scheduler
-from flashmla_cupy.testing import D_K, D_V, PAGE, MLAInputs, make_inputs, seed_seqlens
-from test_mla import check_against_reference, run_kernel
+from flashmla_cupy.testing import D_K, D_V, MLAInputs, PAGE, check_against_reference, make_inputs, run_kernel, seed_seqlens
 
 pytestmark = pytest.mark.hopper
 
@@ -128,7 +127,7 @@ def check_subset(inp: MLAInputs, out, lse, idx, causal: bool, dtype: str) -> Non
 @pytest.mark.parametrize("h_kv", [1, 2])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_kv_cache_beyond_2_32_elements(dtype, h_kv):
-    """Guards the offsets into the KV cache. The cache has 2^32 + 64 pages' worth of elements
+    """Guards the offsets into the KV cache. The cache holds 64 pages more than 2^32 elements
     (8.6 GB); the requests' pages sit at the blocks around the element offsets 2^30 (where a byte
     offset leaves int32), 2^31 (an element offset leaves int32, a byte offset uint32) and 2^32 (an
     element offset leaves uint32), at the first and last block and among the last 2048 blocks.

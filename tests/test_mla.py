@@ -1,9 +1,9 @@
 """GPU tests of MLA decoding against the float64 reference (skipped without a Hopper GPU).
 
-Criteria: FlashMLA's cos_diff < 1e-5 on out and lse, plus per-element bounds: every element
-finite where the reference is (outputs start as NaN), |err| <= atol + rtol*|ref| with the
-tolerances below (input-precision rounding of P and of O dominates), and +inf lse exactly where
-the reference has it.
+Criteria (flashmla_cupy.testing.check_against_reference): FlashMLA's cos_diff < 1e-5 on out and
+lse, plus per-element bounds: every element finite where the reference is (outputs start as
+NaN), |err| <= atol + rtol*|ref| (input-precision rounding of P and of O dominates), and +inf
+lse exactly where the reference has it.
 """
 from __future__ import annotations
 
@@ -14,52 +14,10 @@ import numpy as np
 import pytest
 
 import flashmla_cupy
-from flashmla_cupy import reference, scheduler
-from flashmla_cupy.testing import make_inputs, poisoned, seed_seqlens
+from flashmla_cupy import scheduler
+from flashmla_cupy.testing import check_against_reference, make_inputs, poisoned, run_kernel, seed_seqlens
 
 pytestmark = pytest.mark.hopper
-
-# |out - ref| <= atol + rtol * |ref|: P and O are rounded to the input precision (bf16: 8 bits,
-# fp16: 11 bits of mantissa); lse is computed in fp32 from fp32 scores.
-OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3)}
-LSE_TOL = (1e-3, 1e-5)
-
-
-def run_kernel(inp, causal, softmax_scale=None):
-    metadata, num_splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, inp.s_q * inp.h_q // inp.h_kv, inp.h_kv)
-    b = len(inp.seqlens)
-    out = poisoned((b, inp.s_q, inp.h_q, 512), inp.q.dtype)
-    lse = poisoned((b, inp.h_q, inp.s_q), np.float32)
-    res = flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                               metadata, num_splits, softmax_scale=softmax_scale,
-                                               causal=causal, out=out, lse=lse)
-    assert res[0] is out and res[1] is lse
-    return out, lse
-
-
-def check_against_reference(inp, out, lse, causal, dtype, softmax_scale=None):
-    ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                            softmax_scale=softmax_scale, causal=causal)
-    out64 = out.astype(np.float32).astype(np.float64)
-    lse64 = lse.astype(np.float64)
-    what = inp.describe() + f" causal={causal}"
-
-    assert bool(cupy.isfinite(out64).all()), f"non-finite out (unwritten or NaN leak): {what}"
-    assert bool((cupy.isinf(lse64) == cupy.isinf(ref_lse)).all()), f"+inf lse rows differ: {what}"
-    assert not bool(cupy.isnan(lse64).any()), f"NaN lse: {what}"
-    finite = cupy.isfinite(ref_lse)
-
-    atol, rtol = OUT_TOL[dtype]
-    out_excess = float(cupy.max(cupy.abs(out64 - ref_out) - (atol + rtol * cupy.abs(ref_out))))
-    assert out_excess <= 0, f"out error beyond {atol}+{rtol}|ref| by {out_excess:.3g}: {what}"
-    latol, lrtol = LSE_TOL
-    lse_err = cupy.where(finite, cupy.abs(lse64 - ref_lse) - (latol + lrtol * cupy.abs(ref_lse)), 0)
-    assert float(lse_err.max()) <= 0, f"lse error beyond tolerance by {float(lse_err.max()):.3g}: {what}"
-
-    cos_out = reference.cos_diff(out64, ref_out)
-    cos_lse = reference.cos_diff(cupy.where(finite, lse64, 0), cupy.where(finite, ref_lse, 0))
-    assert cos_out < 1e-5 and cos_lse < 1e-5, f"cos_diff out {cos_out:.3g} lse {cos_lse:.3g}: {what}"
-
 
 # --- FlashMLA's own test grid: b = 128, causal, h_kv = 1 ------------------------------------
 
@@ -193,3 +151,12 @@ def test_workspace_from_another_shape_is_rejected():
     with pytest.raises(ValueError, match="workspace"):
         flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                              meta, splits, workspace=ws)
+
+
+@pytest.mark.parametrize("softmax_scale", [1e-4, 1e-6, 50.0])
+def test_extreme_softmax_scales_keep_masked_tokens_out(softmax_scale):
+    """Masked scores must give exactly zero weight whatever the scale (rows seeing nothing: +inf lse)."""
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, [1, 3, 70, 0], 4, 16, 1, "bf16")
+    out, lse = run_kernel(inp, causal=True, softmax_scale=softmax_scale)
+    check_against_reference(inp, out, lse, True, "bf16", softmax_scale=softmax_scale)

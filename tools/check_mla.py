@@ -2,8 +2,9 @@
 
     python tools/check_mla.py [--set quick|sanitizer] [--dtype bf16|fp16|both]
 
-One line per shape (max errors, cos_diff); exit status 1 if any shape fails. Small enough to
-run under compute-sanitizer (tools/sanitize.sh uses --set sanitizer).
+One line per shape (max errors, cos_diff; the tests' criteria, flashmla_cupy.testing); exit
+status 1 if any shape fails. Small enough to run under compute-sanitizer (tools/sanitize.sh uses
+--set sanitizer).
 """
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import time
 import cupy
 import numpy as np
 
-import flashmla_cupy
-from flashmla_cupy import reference
-from flashmla_cupy.testing import make_inputs, poisoned
+from flashmla_cupy.testing import check_against_reference, make_inputs, run_kernel
 
 # (seqlens, s_q, h_q, h_kv, causal)
 SHAPES = {
@@ -55,19 +54,13 @@ SHAPES = {
 
 def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng) -> tuple[bool, str]:
     inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
-    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q // h_kv, h_kv)
-    out = poisoned((len(seqlens), s_q, h_q, 512), inp.q.dtype)
-    lse = poisoned((len(seqlens), h_q, s_q), np.float32)
-    flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                         meta, splits, causal=causal, out=out, lse=lse)
-    ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                            causal=causal)
-    out64 = out.astype(np.float32).astype(np.float64)
-    err_out = reference.max_abs_error(out64, ref_out)
-    err_lse = reference.max_abs_error(lse.astype(np.float64), ref_lse)
-    cos = reference.cos_diff(out64, ref_out)
-    ok = err_out < (2e-2 if dtype == "bf16" else 4e-3) and err_lse < 2e-3 and cos < 1e-5
-    return ok, f"max|out err| {err_out:.2e}  max|lse err| {err_lse:.2e}  cos_diff {cos:.1e}"
+    out, lse = run_kernel(inp, causal)
+    try:
+        err = check_against_reference(inp, out, lse, causal, dtype)
+    except AssertionError as e:
+        return False, str(e)
+    return True, (f"max|out err| {err['max_abs_out']:.2e}  max|lse err| {err['max_abs_lse']:.2e}  "
+                  f"cos_diff {err['cos_diff_out']:.1e}")
 
 
 def main() -> int:
@@ -75,13 +68,15 @@ def main() -> int:
     ap.add_argument("--set", choices=sorted(SHAPES), default="quick")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "both"], default="both")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--range", default=":", help="START:STOP, a slice of the set's shapes (e.g. 0:11)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int(time.time())
     rng = np.random.default_rng(seed)
     print(f"seed {seed}, device {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     failures = 0
     for dtype in (["bf16", "fp16"] if args.dtype == "both" else [args.dtype]):
-        for seqlens, s_q, h_q, h_kv, causal in SHAPES[args.set]:
+        start, stop = (int(x) if x else None for x in args.range.split(":"))
+        for seqlens, s_q, h_q, h_kv, causal in SHAPES[args.set][start:stop]:
             ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng)
             failures += not ok
             label = f"{dtype} b={len(seqlens)} s_k<={max(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={int(causal)}"

@@ -8,6 +8,7 @@ scheduler: the cost in pages charged per request) it prints:
   eager us/call   GPU time per call of 200 calls issued back to back through the Python API
                   (out, lse and workspace preallocated, value checks off), median of 15 rounds
   cpu us/call     host time spent inside one call (no synchronization), median of 2000 calls
+                  (--cprofile: and a cProfile of those calls)
   graph us/call   the same call captured once in a CUDA graph, replays back to back
 No L2 flush between calls: this is the latency a decode loop sees, not a bandwidth figure.
 """
@@ -35,7 +36,7 @@ def inputs(batch, seqlen, h_q, s_q, dtype):
     return q, k_cache, block_table, seqlens
 
 
-def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream):
+def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False):
     scheduler_default = scheduler.FIXED_OVERHEAD_BLOCKS
     scheduler.FIXED_OVERHEAD_BLOCKS = overhead
     try:
@@ -75,6 +76,17 @@ def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream):
         if i % 100 == 99:
             stream.synchronize()
     cpu_us = statistics.median(cpu) * 1e6
+    if cprofile:
+        import cProfile
+        import pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(2000):
+            call()
+            if i % 100 == 99:
+                stream.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
     stream.begin_capture()
     call()
@@ -101,6 +113,7 @@ def main() -> None:
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--overheads", default=str(scheduler.FIXED_OVERHEAD_BLOCKS))
+    ap.add_argument("--cprofile", action="store_true", help="also print where the host time of a call goes")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     print(f"{'b':>4} {'s_k':>6} {'h_q':>4} {'s_q':>3} {'overhead':>8} {'splits':>6} "
@@ -109,7 +122,7 @@ def main() -> None:
         for overhead in [int(x) for x in args.overheads.split(",")]:
             for batch in [int(x) for x in args.batch.split(",")]:
                 eager, cpu, graph, splits = measure(batch, args.seqlen, args.heads, args.s_q,
-                                                    DTYPES[args.dtype], overhead, stream)
+                                                    DTYPES[args.dtype], overhead, stream, args.cprofile)
                 print(f"{batch:>4} {args.seqlen:>6} {args.heads:>4} {args.s_q:>3} {overhead:>8} {splits:>6} "
                       f"{eager:>14.1f} {cpu:>12.1f} {graph:>14.1f}", flush=True)
 

@@ -23,7 +23,6 @@ struct SplitKVParams {
     float* lse_accum;             // [total_splits][h_kv][q_rows], log2
     float* o_accum;               // [total_splits][h_kv][q_rows][512]
     int64_t block_table_stride;
-    int64_t kv_l2_hint;           // L2 cache policy of the cache's TMA loads (an L2Hint value)
     int batch;
     int s_q;
     int q_rows;                   // s_q * heads_per_kv

@@ -77,7 +77,7 @@ struct SplitKVCta {
         CUTE_UNROLL
         for (int t = kFirst; t < kLast; ++t) {
             tma_load_4d(&p.tma_kv, bar + t * sizeof(uint64_t), smem_u32(page_buf(buf) + t * kTileElems),
-                        t * kTileCols, 0, kv_head, page_id, static_cast<L2Hint>(p.kv_l2_hint));
+                        t * kTileCols, 0, kv_head, page_id, L2Hint::kEvictFirst);
         }
     }
 

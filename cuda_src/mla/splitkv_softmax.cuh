@@ -19,10 +19,10 @@ namespace flashmla {
 
 using namespace cute;
 
-// Masked logits are set to this (before scaling), and row_max starts at kRowMaxInit: a masked
-// score times any practical softmax scale stays far below it, so exp2 of it underflows to 0 and
-// never produces inf - inf.
-constexpr float kMaskedScore = -1e33f;
+// Masked logits are set to -inf: their exp2 is exactly 0 whatever the (positive) softmax scale.
+// row_max starts finite, so that a row whose first pages are all masked rescales by
+// exp2(kRowMaxInit - kRowMaxInit) = 1 and never computes inf - inf.
+constexpr float kMaskedScore = -kInf;
 constexpr float kRowMaxInit = -1e30f;
 
 __device__ __forceinline__ int fragment_row(int half, int idx_in_wg) {

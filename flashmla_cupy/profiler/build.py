@@ -34,8 +34,6 @@ def collect_programs(modules=KERNEL_MODULES) -> ProgramSet:
         fn = getattr(mod, "all_programs", None)
         if fn is not None:
             found.programs.extend(fn())
-        elif getattr(mod, "PROGRAM", None) is not None:      # a module with a single program
-            found.programs.append(mod.PROGRAM)
         else:
             found.notes.append(f"flashmla_cupy.{name}: has no all_programs(); skipped")
     return found
