@@ -24,7 +24,7 @@ DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
 
 
 @dataclass
-class MLAInputs:
+class MLACase:
     q: cupy.ndarray
     k_cache: cupy.ndarray
     block_table: cupy.ndarray
@@ -48,7 +48,7 @@ def seed_seqlens(rng: np.random.Generator, batch: int, mean: int, s_q: int, varl
 
 
 def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int, dtype: str,
-                spare_blocks: int = 3, garbage_columns: int = 2) -> MLAInputs:
+                spare_blocks: int = 3, garbage_columns: int = 2) -> MLACase:
     seqlens = np.asarray(seqlens, dtype=np.int32)
     batch = len(seqlens)
     pages = -(-seqlens // PAGE)
@@ -76,7 +76,7 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
         unreadable = cupy.arange(PAGE)[None, :] >= valid[lo:hi, None]
         block[unreadable] = np.nan
         k_cache[lo:hi] = block.astype(DTYPES[dtype])
-    return MLAInputs(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv)
+    return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv)
 
 
 def _random(rng: np.random.Generator, shape, dtype: str) -> cupy.ndarray:
@@ -95,7 +95,7 @@ OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3)}
 LSE_TOL = (1e-3, 1e-5)
 
 
-def run_kernel(inp: MLAInputs, causal: bool, softmax_scale=None):
+def run_kernel(inp: MLACase, causal: bool, softmax_scale=None):
     """get_mla_metadata + flash_mla_with_kvcache into NaN-poisoned outputs."""
     metadata, num_splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, inp.s_q * inp.h_q // inp.h_kv, inp.h_kv)
     b = len(inp.seqlens)
@@ -108,7 +108,7 @@ def run_kernel(inp: MLAInputs, causal: bool, softmax_scale=None):
     return out, lse
 
 
-def check_against_reference(inp: MLAInputs, out, lse, causal: bool, dtype: str, softmax_scale=None):
+def check_against_reference(inp: MLACase, out, lse, causal: bool, dtype: str, softmax_scale=None):
     """Assert that (out, lse) match the float64 reference (tolerances above); return the errors."""
     ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                             softmax_scale=softmax_scale, causal=causal)

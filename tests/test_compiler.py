@@ -145,3 +145,16 @@ def test_concurrent_compiles_leave_one_valid_entry(cache, tmp_path):
     header, image = compiler.read_entry(entries[0])
     assert header["program"] == "mla_metadata" and image[:4] == b"\x7fELF"
     assert not list(cache.glob("*.tmp"))
+
+
+def test_installed_layout_finds_its_device_sources(tmp_path):
+    """A non-editable install puts cuda_src/ inside the package (pyproject's package-dir)."""
+    site = tmp_path / "site"
+    shutil.copytree(compiler.source_dir().parent / "flashmla_cupy", site / "flashmla_cupy",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(compiler.source_dir(), site / "flashmla_cupy" / "cuda_src")
+    code = "from flashmla_cupy import compiler; print(compiler.source_dir())"
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env=env)
+    assert out.stdout.strip() == str(site / "flashmla_cupy" / "cuda_src")

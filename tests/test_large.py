@@ -28,7 +28,7 @@ import pytest
 
 import flashmla_cupy
 from flashmla_cupy import launch, mla, scheduler
-from flashmla_cupy.testing import D_K, D_V, MLAInputs, PAGE, check_against_reference, make_inputs, run_kernel, seed_seqlens
+from flashmla_cupy.testing import D_K, D_V, MLACase, PAGE, check_against_reference, make_inputs, run_kernel, seed_seqlens
 
 pytestmark = pytest.mark.hopper
 
@@ -72,7 +72,7 @@ def take_requests(x: cupy.ndarray, idx) -> cupy.ndarray:
     return cupy.stack([x[int(i)] for i in idx])
 
 
-def compact_requests(inp: MLAInputs, idx) -> MLAInputs:
+def compact_requests(inp: MLACase, idx) -> MLACase:
     """Requests ``idx`` of ``inp`` as inputs of their own: their pages copied one by one into a
     small cache, with a block table pointing there. The float64 reference then runs on just
     these requests and never indexes the large cache."""
@@ -89,11 +89,11 @@ def compact_requests(inp: MLAInputs, idx) -> MLAInputs:
             cache[j] = inp.k_cache[int(table[r, c])]
             new_table[r, c] = j
             j += 1
-    return MLAInputs(take_requests(inp.q, idx), cache, cupy.asarray(new_table), cupy.asarray(seqlens),
+    return MLACase(take_requests(inp.q, idx), cache, cupy.asarray(new_table), cupy.asarray(seqlens),
                      seqlens, inp.s_q, inp.h_q, inp.h_kv)
 
 
-def check_whole_batch(inp: MLAInputs, out, lse, causal: bool, chunk: int = 4096) -> None:
+def check_whole_batch(inp: MLACase, out, lse, causal: bool, chunk: int = 4096) -> None:
     """Every request, without the reference: out finite; lse = +inf exactly on the query rows
     that see no token (seqlen 0, or causal with seqlen < s_q), with out = 0 there; lse finite
     (no NaN, no -inf) elsewhere."""
@@ -113,7 +113,7 @@ def check_whole_batch(inp: MLAInputs, out, lse, causal: bool, chunk: int = 4096)
         assert not bool(((o != 0) & e[:, :, None, None]).any()), f"nonzero out on rows that see no token among {where}"
 
 
-def check_subset(inp: MLAInputs, out, lse, idx, causal: bool, dtype: str) -> None:
+def check_subset(inp: MLACase, out, lse, idx, causal: bool, dtype: str) -> None:
     idx = sorted({int(i) for i in idx})
     sub = compact_requests(inp, idx)
     try:

@@ -10,7 +10,8 @@
 //   warpgroup 1: S1 = Q K1^T, softmax, O_R += P1 V1_R, then O_R += P0 V0_R (P0 from smem);
 //   the next pair's tiles are requested as soon as the tile they replace has been consumed.
 //
-// splitkv_softmax.cuh explains the shared running max; docs of the schedule: README.md.
+// splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
+// kernel-deep-dive.md in its repository) explains the schedule.
 #include <cute/tensor.hpp>
 
 #include "common/pdl.cuh"

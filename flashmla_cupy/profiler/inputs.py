@@ -31,7 +31,7 @@ def numpy_dtype(tag: str) -> np.dtype:
 
 
 @dataclass
-class MLAInputs:
+class MLABenchInputs:
     shape: MLAShape
     q: object                  # cupy arrays
     k_cache: object
@@ -51,7 +51,7 @@ def _store(dst, src_f32, dtype, xp) -> None:
         dst[...] = src_f32.astype(dtype)
 
 
-def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLAInputs:
+def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
     """The seed's layout on the GPU (``xp=numpy`` builds the same on the host, for tests)."""
     if xp is None:
         import cupy as xp
@@ -78,7 +78,7 @@ def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLAInputs:
         _store(per_request[lo:hi], block, dtype, xp)
         del block
     block_table = xp.arange(b * pages, dtype=np.int32).reshape(b, pages)
-    return MLAInputs(shape, q, k_cache, block_table, xp.asarray(seqlens))
+    return MLABenchInputs(shape, q, k_cache, block_table, xp.asarray(seqlens))
 
 
 @dataclass
