@@ -41,6 +41,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .profiler.timing import FLUSH_MODES
+
     from .profiler.env import package_version
 
     p = argparse.ArgumentParser(
@@ -87,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fewer runs (at least 10) when a target would take longer than this (default 3)")
     t.add_argument("--graph", action="store_true",
                    help="time replays of a CUDA graph captured from one call (no Python launch overhead)")
-    t.add_argument("--no-flush", dest="flush", action="store_false",
-                   help="do not flush the L2 between runs (measures a warm cache)")
+    t.add_argument("--flush", choices=FLUSH_MODES, default="write",
+                   help="how the L2 is emptied before each run: write (a memset, as triton's do_bench "
+                        "that FlashMLA's own figures use; its dirty lines are written back during the "
+                        "timed run), read (clean lines: no write-back), none (warm cache); default write")
     t.add_argument("--no-ceilings", dest="ceilings", action="store_false",
                    help="skip measuring the copy and matmul ceilings")
     t.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
@@ -196,7 +200,7 @@ def cmd_profile(args) -> int:
         main_t, baseline = targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
     names = [main_t] + ([baseline] if baseline else [])
     config = runner.RunConfig(targets=names, baseline=baseline, repeats=args.repeats, warmup=args.warmup,
-                              budget_s=args.budget, graph=args.graph, flush_l2=args.flush, check=args.check,
+                              budget_s=args.budget, graph=args.graph, flush=args.flush, check=args.check,
                               seed=args.seed, device=args.device, measure_ceilings=args.ceilings,
                               matmul_dtype="bf16" if kind == "mla" else "fp32")
     try:
@@ -209,7 +213,7 @@ def cmd_profile(args) -> int:
     err = _console(stderr=True)
     env = environment(args.device)
     report.print_header(out, report.header_lines(env, runner.method_description(
-        config, _FlushInfo(gpu) if args.flush else None, kind), kind=kind, seed=args.seed))
+        config, gpu.get("l2_bytes", 0), kind), kind=kind, seed=args.seed))
     try:
         from .profiler.build import prebuild
         prebuild(kind, err, arch=gpu["arch"], dtype_tag=args.dtype if kind == "mla" else None)
@@ -239,17 +243,6 @@ def cmd_profile(args) -> int:
     main_rows = [r for r in result.records if r["name"] == main_t]
     failed = any(r.get("error") for r in main_rows) or any(r.get("check_ok") is False for r in main_rows)
     return 1 if (failed or result.interrupted or main_t in result.skipped_targets) else 0
-
-
-class _FlushInfo:
-    """Stands in for an ``L2Flush`` in the header printed before the buffer exists."""
-
-    def __init__(self, gpu: dict):
-        from .profiler.timing import MIN_FLUSH_BYTES
-        self.nbytes = max(2 * gpu.get("l2_bytes", 0), MIN_FLUSH_BYTES)
-
-    def describe(self) -> str:
-        return f"L2 flushed before every run (memset of {self.nbytes / 2**20:.0f} MiB)"
 
 
 def _run_with_progress(kind, shape_list, config, gpu, err):

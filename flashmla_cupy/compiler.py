@@ -16,6 +16,9 @@ Compiling needs no GPU: give ``arch`` explicitly (``flashmla-cupy compile --arch
 Environment:
   ``FLASHMLA_CUPY_CACHE_DIR``    cache directory (default ``$XDG_CACHE_HOME/flashmla-cupy``)
   ``FLASHMLA_CUPY_COMPILE_LOG``  if set to 1, print each program's compiler log (ptxas report)
+  ``FLASHMLA_CUPY_EXTRA_OPTIONS`` more NVRTC options for every program, whitespace-separated
+                                 (part of the cache key), e.g. ``-lineinfo`` for source lines in
+                                 compute-sanitizer and Nsight reports
 """
 from __future__ import annotations
 
@@ -188,6 +191,11 @@ def sources_digest() -> str:
     return h.hexdigest()
 
 
+def extra_options() -> list[str]:
+    """``FLASHMLA_CUPY_EXTRA_OPTIONS``, split on whitespace."""
+    return os.environ.get("FLASHMLA_CUPY_EXTRA_OPTIONS", "").split()
+
+
 # --------------------------------------------------------------------------------------------
 # Programs and compiled cubins
 # --------------------------------------------------------------------------------------------
@@ -201,7 +209,7 @@ class Program:
     defines: tuple[tuple[str, str], ...] = ()
 
     def options(self, arch: str) -> list[str]:
-        opts = [f"-arch={arch}", *BASE_OPTIONS]
+        opts = [f"-arch={arch}", *BASE_OPTIONS, *extra_options()]
         opts += [f"-D{k}={v}" for k, v in self.defines]
         opts += [f"-I{d}" for d in include_dirs()]
         return opts
@@ -210,7 +218,7 @@ class Program:
         ident = {
             "format": CACHE_FORMAT, "arch": arch, "source": self.source,
             "kernels": list(self.kernels), "defines": list(self.defines),
-            "options": list(BASE_OPTIONS), "sources": sources_digest(), "toolchain": toolchain(),
+            "options": [*BASE_OPTIONS, *extra_options()], "sources": sources_digest(), "toolchain": toolchain(),
         }
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 

@@ -129,8 +129,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     arguments' layout is checked once per shape (``_Plan``), tensor maps are re-encoded only when
     an address changes, and each kernel is one prebuilt driver launch.
     """
-    key = _plan_key(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                    num_splits, softmax_scale, causal)
+    key = _plan_key(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                    head_dim_v, softmax_scale, causal)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         a = checks.mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v,
@@ -183,27 +183,31 @@ _MAX_PLANS = 16
 _plans: OrderedDict[tuple, "_Plan"] = OrderedDict()
 
 
-def _layout(x) -> tuple:
-    return x.shape, x.strides, x.dtype, x.data.device_id
-
-
-def _plan_key(q, k_cache, block_table, cache_seqlens, head_dim_v, metadata, num_splits,
+def _plan_key(q, k_cache, block_table, cache_seqlens, metadata, num_splits, head_dim_v,
               softmax_scale, causal):
     """Everything the argument checks depend on except array contents and addresses (and the
-    cache's alignment); None (no plan reuse) unless all arrays are CuPy arrays and the scalars
-    plain Python ones."""
-    if {type(q), type(k_cache), type(block_table), type(cache_seqlens), type(metadata),
-            type(num_splits)} != {cupy.ndarray} or type(causal) is not bool \
-            or type(head_dim_v) is not int or not (softmax_scale is None or type(softmax_scale) is float):
+    cache's alignment), as one flat tuple (this runs on every call: no nested tuples or helper
+    calls); None (no plan reuse) unless all arrays are CuPy arrays and the scalars plain Python
+    ones."""
+    nd = cupy.ndarray
+    if not (type(q) is nd and type(k_cache) is nd and type(block_table) is nd and type(cache_seqlens) is nd
+            and type(metadata) is nd and type(num_splits) is nd and type(causal) is bool
+            and type(head_dim_v) is int and (softmax_scale is None or type(softmax_scale) is float)):
         return None
-    return (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, head_dim_v,
-            softmax_scale, causal, k_cache.data.ptr % 16, _layout(q), _layout(k_cache),
-            _layout(block_table), _layout(cache_seqlens), _layout(metadata), _layout(num_splits))
+    k_data = k_cache.data
+    return (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, head_dim_v, softmax_scale,
+            causal, k_data.ptr % 16,
+            q.shape, q.strides, q.dtype, q.data.device_id,
+            k_cache.shape, k_cache.strides, k_cache.dtype, k_data.device_id,
+            block_table.shape, block_table.strides, block_table.dtype, block_table.data.device_id,
+            cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, cache_seqlens.data.device_id,
+            metadata.shape, metadata.strides, metadata.dtype, metadata.data.device_id,
+            num_splits.shape, num_splits.strides, num_splits.dtype, num_splits.data.device_id)
 
 
 # The pointer fields that change from call to call are consecutive in both parameter structs,
 # so each call writes them with one struct.pack_into.
-_SPLITKV_POINTERS = ("block_table", "seqlens", "sched_meta", "num_splits", "lse", "lse_accum", "o_accum")
+_SPLITKV_POINTERS = ("block_table", "seqlens", "sched_meta", "num_splits", "lse", "lse_accum", "o_accum", "o")
 _COMBINE_POINTERS = ("num_splits", "lse_accum", "o_accum", "o", "lse")
 
 
@@ -230,14 +234,12 @@ class _Plan:
         self.workspace_signature = (self.device_id, a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts,
                                     np.dtype(self.dtype))
         self._own_workspace = None
-        # Q, the cache and O as the kernels see them: [outer][rows][h_kv][cols], TMA boxes 64 x 64.
+        # Q and the cache as the kernel's TMA sees them: [outer][rows][h_kv][cols], boxes 64 x 64.
         esize = self.dtype.itemsize
         rows_q = (a.batch, a.q_rows, a.h_kv, checks.HEAD_DIM_K)
-        rows_o = (a.batch, a.q_rows, a.h_kv, checks.HEAD_DIM_V)
         self._maps = [  # (field offset, shape, byte strides, last encoded address)
             [SplitKVParams.tma_q.offset, rows_q, tuple(esize * x for x in _contiguous_strides(rows_q)), None],
             [SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, None],
-            [SplitKVParams.tma_o.offset, rows_o, tuple(esize * x for x in _contiguous_strides(rows_o)), None],
         ]
         self.q_is_rows = a.h_kv == 1 and a.q_contiguous
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
@@ -323,12 +325,11 @@ class _Plan:
                 q_ptr, o_ptr = ws.q_rows.data.ptr, ws.o_rows.data.ptr
             self._update_map(0, q_ptr)
             self._update_map(1, k_cache.data.ptr)
-            self._update_map(2, o_ptr)
             num_splits_ptr, lse_ptr = num_splits.data.ptr, lse.data.ptr
             lse_accum_ptr, o_accum_ptr = ws.lse_accum.data.ptr, ws.o_accum.data.ptr
             offset, fmt = self._splitkv_pointers
             struct.pack_into(fmt, self.splitkv.buffer, offset, block_table.data.ptr, cache_seqlens.data.ptr,
-                             metadata.data.ptr, num_splits_ptr, lse_ptr, lse_accum_ptr, o_accum_ptr)
+                             metadata.data.ptr, num_splits_ptr, lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr)
             self.splitkv()
             offset, fmt = self._combine_pointers
             struct.pack_into(fmt, self.combine.buffer, offset, num_splits_ptr, lse_accum_ptr, o_accum_ptr,

@@ -21,7 +21,6 @@ class SplitKVParams(ctypes.Structure):
     _fields_ = [
         ("tma_q", TensorMap),
         ("tma_kv", TensorMap),
-        ("tma_o", TensorMap),
         ("block_table", ctypes.c_uint64),
         ("seqlens", ctypes.c_uint64),
         ("sched_meta", ctypes.c_uint64),
@@ -29,6 +28,7 @@ class SplitKVParams(ctypes.Structure):
         ("lse", ctypes.c_uint64),
         ("lse_accum", ctypes.c_uint64),
         ("o_accum", ctypes.c_uint64),
+        ("o", ctypes.c_uint64),
         ("block_table_stride", ctypes.c_int64),
         ("batch", ctypes.c_int32),
         ("s_q", ctypes.c_int32),

@@ -7,6 +7,7 @@ garbage ids, so a kernel that reads anything it should not produces NaN or a fau
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cupy
@@ -33,6 +34,12 @@ class MLACase:
     s_q: int
     h_q: int
     h_kv: int
+
+    def to_host(self) -> "MLACase":
+        """The same case with NumPy copies of the arrays (for a reference computed on the CPU)."""
+        return dataclasses.replace(self, q=cupy.asnumpy(self.q), k_cache=cupy.asnumpy(self.k_cache),
+                                   block_table=cupy.asnumpy(self.block_table),
+                                   cache_seqlens=cupy.asnumpy(self.cache_seqlens))
 
     def describe(self) -> str:
         b = len(self.seqlens)
@@ -73,9 +80,8 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
     for lo in range(0, num_blocks, chunk):
         hi = min(num_blocks, lo + chunk)
         block = gen.standard_normal((hi - lo, PAGE, h_kv, D_K), dtype=np.float32)
-        unreadable = cupy.arange(PAGE)[None, :] >= valid[lo:hi, None]
-        block[unreadable] = np.nan
-        k_cache[lo:hi] = block.astype(DTYPES[dtype])
+        unreadable = cupy.arange(PAGE)[:, None, None] >= valid[lo:hi, None, None, None]
+        k_cache[lo:hi] = cupy.where(unreadable, np.float32(np.nan), block).astype(DTYPES[dtype])
     return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv)
 
 
@@ -109,27 +115,33 @@ def run_kernel(inp: MLACase, causal: bool, softmax_scale=None):
 
 
 def check_against_reference(inp: MLACase, out, lse, causal: bool, dtype: str, softmax_scale=None):
-    """Assert that (out, lse) match the float64 reference (tolerances above); return the errors."""
+    """Assert that (out, lse) match the float64 reference (tolerances above); return the errors.
+
+    ``inp``, ``out`` and ``lse`` are all CuPy arrays, or all NumPy (``inp.to_host()``: the
+    reference and the comparison then run on the CPU, e.g. under compute-sanitizer).
+    """
+    xp = cupy.get_array_module(out)
     ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                             softmax_scale=softmax_scale, causal=causal)
-    out64 = out.astype(np.float32).astype(np.float64)
+    out64 = reference.to_float64(out)
     lse64 = lse.astype(np.float64)
     what = inp.describe() + f" causal={causal}"
 
-    assert bool(cupy.isfinite(out64).all()), f"non-finite out (unwritten or NaN leak): {what}"
-    assert bool((cupy.isinf(lse64) == cupy.isinf(ref_lse)).all()), f"+inf lse rows differ: {what}"
-    assert not bool(cupy.isnan(lse64).any()), f"NaN lse: {what}"
-    finite = cupy.isfinite(ref_lse)
+    assert bool(xp.isfinite(out64).all()), f"non-finite out (unwritten or NaN leak): {what}"
+    assert bool((xp.isinf(lse64) == xp.isinf(ref_lse)).all()), f"+inf lse rows differ: {what}"
+    assert not bool(xp.isnan(lse64).any()), f"NaN lse: {what}"
+    finite = xp.isfinite(ref_lse)
 
     atol, rtol = OUT_TOL[dtype]
-    out_excess = float(cupy.max(cupy.abs(out64 - ref_out) - (atol + rtol * cupy.abs(ref_out))))
+    out_excess = float(xp.max(xp.abs(out64 - ref_out) - (atol + rtol * xp.abs(ref_out))))
     assert out_excess <= 0, f"out error beyond {atol}+{rtol}|ref| by {out_excess:.3g}: {what}"
     latol, lrtol = LSE_TOL
-    lse_err = cupy.where(finite, cupy.abs(lse64 - ref_lse) - (latol + lrtol * cupy.abs(ref_lse)), 0)
+    lse_diff = xp.where(finite, lse64, 0) - xp.where(finite, ref_lse, 0)   # no inf - inf
+    lse_err = xp.where(finite, xp.abs(lse_diff) - (latol + lrtol * xp.abs(ref_lse)), 0)
     assert float(lse_err.max()) <= 0, f"lse error beyond tolerance by {float(lse_err.max()):.3g}: {what}"
 
     cos_out = reference.cos_diff(out64, ref_out)
-    cos_lse = reference.cos_diff(cupy.where(finite, lse64, 0), cupy.where(finite, ref_lse, 0))
+    cos_lse = reference.cos_diff(xp.where(finite, lse64, 0), xp.where(finite, ref_lse, 0))
     assert cos_out < 1e-5 and cos_lse < 1e-5, f"cos_diff out {cos_out:.3g} lse {cos_lse:.3g}: {what}"
     return {"max_abs_out": reference.max_abs_error(out64, ref_out),
             "max_abs_lse": reference.max_abs_error(lse64, ref_lse), "cos_diff_out": cos_out,

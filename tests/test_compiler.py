@@ -50,6 +50,17 @@ def test_cache_dir_respects_environment(monkeypatch, tmp_path):
     assert compiler.cache_dir() == tmp_path / "mine" / f"v{compiler.CACHE_FORMAT}"
 
 
+def test_extra_options_reach_nvrtc_and_the_cache_key(monkeypatch):
+    program = mla.metadata_program()
+    monkeypatch.delenv("FLASHMLA_CUPY_EXTRA_OPTIONS", raising=False)
+    key = program.cache_key(ARCH)
+    assert "-lineinfo" not in program.options(ARCH)
+    monkeypatch.setenv("FLASHMLA_CUPY_EXTRA_OPTIONS", " -lineinfo  -DFOO=1 ")
+    n = len(compiler.BASE_OPTIONS)
+    assert program.options(ARCH)[1:n + 3] == [*compiler.BASE_OPTIONS, "-lineinfo", "-DFOO=1"]
+    assert program.cache_key(ARCH) != key
+
+
 def test_ptxas_report_parser():
     log = textwrap.dedent("""\
         ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90a'

@@ -460,12 +460,15 @@ def test_header_lines_name_the_method():
                 "gpu": {"name": "Fake", "sm_count": 132, "arch": "sm_90a", "memory_bytes": 80 << 30,
                         "l2_bytes": 50 << 20, "sm_clock_max_mhz": 1980}, "pdl": "on"}
     config = runner.RunConfig(targets=["flashmla"])
-    method = runner.method_description(config, None, "mla")
+    method = runner.method_description(config, 50 << 20, "mla")
     rows = dict(report.header_lines(fake_env, method, kind="mla", seed=0))
     assert "split-KV + combine" in rows["Timed"] and "PDL on" in rows["Timed"]
     assert "132 SMs" in rows["GPU"] and "1980 MHz" in rows["GPU"]
     assert "random.Random(0)" in rows["Seed"] and "576+512" in rows["Formulas"]
-    assert "L2 not flushed" in rows["Method"]
+    assert "memset of 256 MiB" in rows["Method"]
+    for mode, words in (("read", "reading 256 MiB"), ("none", "L2 not flushed")):
+        method = runner.method_description(runner.RunConfig(targets=["flashmla"], flush=mode), 50 << 20, "mla")
+        assert words in dict(report.header_lines(fake_env, method, kind="mla", seed=0))["Method"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,6 +630,9 @@ def test_timing_and_ceilings_on_the_gpu():
     x = cupy.ones(1 << 20, dtype=cupy.float32)
     flush = timing.L2Flush(env.device_info(0)["l2_bytes"])
     samples = timing.time_cuda(lambda: x * 2, stream=stream, repeats=20, warmup=2, flush=flush)
+    assert len(samples) == 20 and all(s > 0 for s in samples)
+    samples = timing.time_cuda(lambda: x * 2, stream=stream, repeats=20, warmup=2,
+                               flush=timing.L2Flush(env.device_info(0)["l2_bytes"], mode="read"))
     assert len(samples) == 20 and all(s > 0 for s in samples)
     graphed = timing.time_cuda(lambda: x * 2, stream=stream, repeats=20, warmup=2, flush=flush, graph=True)
     assert len(graphed) == 20

@@ -148,6 +148,20 @@ def test_wrong_causal_flag_changes_the_answer(rng):
     np.testing.assert_allclose(full_out[:, 1], want_out[:, 1], **TIGHT)  # the last token sees all
 
 
+def test_host_side_comparison_accepts_the_reference_and_catches_one_bad_element(rng):
+    """testing.check_against_reference on NumPy arrays (check_mla --host-reference's path)."""
+    testing = pytest.importorskip("flashmla_cupy.testing")
+    q, k_cache, table, seqlens, _ = paged_case(rng, [70, 0, 130], 2, 4, 1, d=576, dtype="bf16")
+    case = testing.MLACase(q, k_cache, table, seqlens, seqlens, 2, 4, 1)
+    ref_out, ref_lse = reference.mla_decode(q, k_cache, table, seqlens, 512, causal=True)
+    out, lse = ref_out.astype(np.float32).astype(q.dtype), ref_lse.astype(np.float32)
+    err = testing.check_against_reference(case, out, lse, True, "bf16")
+    assert err["cos_diff_out"] < 1e-5
+    out[2, 1, 3, 100] += 1.0
+    with pytest.raises(AssertionError, match="out error beyond"):
+        testing.check_against_reference(case, out, lse, True, "bf16")
+
+
 def test_causal_is_moot_for_one_query_token(rng):
     q, k_cache, table, seqlens, _ = paged_case(rng, [70, 5], 1, 4, 1, d=64)
     for a, b in zip(reference.mla_decode(q, k_cache, table, seqlens, 32, causal=True),

@@ -1,6 +1,6 @@
 """Run MLA decoding on a list of shapes and compare each with the float64 reference.
 
-    python tools/check_mla.py [--set quick|sanitizer] [--dtype bf16|fp16|both]
+    python tools/check_mla.py [--set quick|sanitizer] [--dtype bf16|fp16|both] [--host-reference]
 
 One line per shape (max errors, cos_diff; the tests' criteria, flashmla_cupy.testing); exit
 status 1 if any shape fails. Small enough to run under compute-sanitizer (tools/sanitize.sh uses
@@ -52,9 +52,11 @@ SHAPES = {
 }
 
 
-def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng) -> tuple[bool, str]:
+def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, host_reference: bool) -> tuple[bool, str]:
     inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
     out, lse = run_kernel(inp, causal)
+    if host_reference:
+        inp, out, lse = inp.to_host(), cupy.asnumpy(out), cupy.asnumpy(lse)
     try:
         err = check_against_reference(inp, out, lse, causal, dtype)
     except AssertionError as e:
@@ -69,6 +71,9 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["bf16", "fp16", "both"], default="both")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--range", default=":", help="START:STOP, a slice of the set's shapes (e.g. 0:11)")
+    ap.add_argument("--host-reference", action="store_true",
+                    help="compute the reference and the comparison with NumPy (fewer GPU kernels: "
+                         "much faster under compute-sanitizer)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int(time.time())
     rng = np.random.default_rng(seed)
@@ -77,7 +82,7 @@ def main() -> int:
     for dtype in (["bf16", "fp16"] if args.dtype == "both" else [args.dtype]):
         start, stop = (int(x) if x else None for x in args.range.split(":"))
         for seqlens, s_q, h_q, h_kv, causal in SHAPES[args.set][start:stop]:
-            ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng)
+            ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, args.host_reference)
             failures += not ok
             label = f"{dtype} b={len(seqlens)} s_k<={max(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={int(causal)}"
             print(f"{'ok  ' if ok else 'FAIL'} {label:<58} {msg}", flush=True)

@@ -1,7 +1,7 @@
 """Small-batch latency of flash_mla_with_kvcache: back-to-back calls, host CPU time, CUDA graphs.
 
     python tools/latency.py [--batch 1,8,32] [--seqlen 4096] [--heads 128] [--s-q 1]
-                            [--overheads 5,10,20]
+                            [--overheads 5,10,20] [--kernels] [--cprofile]
 
 For each shape (and each scheduler overhead constant, an experiment knob of the tile
 scheduler: the cost in pages charged per request) it prints:
@@ -10,6 +10,10 @@ scheduler: the cost in pages charged per request) it prints:
   cpu us/call     host time spent inside one call (no synchronization), median of 2000 calls
                   (--cprofile: and a cProfile of those calls)
   graph us/call   the same call captured once in a CUDA graph, replays back to back
+  python us/call  host time of one call with the two driver launches replaced by no-ops: what
+                  the Python side costs (cpu minus this is the driver's launch time)
+With --kernels, also each kernel of the call alone, launched back to back from the call's
+prepared launch (GPU µs per launch): splitkv us, combine us.
 No L2 flush between calls: this is the latency a decode loop sees, not a bandwidth figure.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy import checks, scheduler
+from flashmla_cupy import checks, mla, scheduler
 from flashmla_cupy.testing import DTYPES
 
 
@@ -36,7 +40,33 @@ def inputs(batch, seqlen, h_q, s_q, dtype):
     return q, k_cache, block_table, seqlens
 
 
-def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False):
+def gpu_us_per_call(fn, stream, n=200, rounds=15) -> float:
+    """Median over rounds of the GPU time per call of n calls issued back to back."""
+    times = []
+    for _ in range(rounds):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(n):
+            fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / n)
+    return statistics.median(times)
+
+
+def host_us_per_call(fn, stream, n=2000) -> float:
+    """Median host time of one call (the stream is drained every 100 calls)."""
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if i % 100 == 99:
+            stream.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False, kernels=False):
     scheduler_default = scheduler.FIXED_OVERHEAD_BLOCKS
     scheduler.FIXED_OVERHEAD_BLOCKS = overhead
     try:
@@ -56,26 +86,8 @@ def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False):
         call()
     stream.synchronize()
 
-    n = 200
-    rounds = []
-    for _ in range(15):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(n):
-            call()
-        end.record(stream)
-        end.synchronize()
-        rounds.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / n)
-    eager = statistics.median(rounds)
-
-    cpu = []
-    for i in range(2000):
-        t0 = time.perf_counter()
-        call()
-        cpu.append(time.perf_counter() - t0)
-        if i % 100 == 99:
-            stream.synchronize()
-    cpu_us = statistics.median(cpu) * 1e6
+    eager = gpu_us_per_call(call, stream)
+    cpu_us = host_us_per_call(call, stream)
     if cprofile:
         import cProfile
         import pstats
@@ -93,16 +105,23 @@ def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False):
     graph = stream.end_capture()
     graph.launch(stream)
     stream.synchronize()
-    rounds = []
-    for _ in range(15):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(n):
-            graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        rounds.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / n)
-    return eager, cpu_us, statistics.median(rounds), int(cupy.asnumpy(splits)[-1])
+    result = {"eager": eager, "cpu": cpu_us, "graph": gpu_us_per_call(lambda: graph.launch(stream), stream),
+              "splits": int(cupy.asnumpy(splits)[-1])}
+
+    # The call's plan (looked up as the call does) and its two prepared launches.
+    plan = mla._plans[mla._plan_key(q, k_cache, block_table, seqlens, meta, splits, 512, None, True)]
+    launches = (plan.splitkv, plan.combine)
+    if kernels:
+        result["splitkv"], result["combine"] = (gpu_us_per_call(launch, stream) for launch in launches)
+    real = [launch._launch for launch in launches]
+    try:
+        for launch in launches:
+            launch._launch = lambda *args: 0
+        result["python"] = host_us_per_call(call, stream)
+    finally:
+        for launch, fn in zip(launches, real):
+            launch._launch = fn
+    return result
 
 
 def main() -> None:
@@ -114,17 +133,20 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--overheads", default=str(scheduler.FIXED_OVERHEAD_BLOCKS))
     ap.add_argument("--cprofile", action="store_true", help="also print where the host time of a call goes")
+    ap.add_argument("--kernels", action="store_true", help="also time each kernel of the call alone")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     print(f"{'b':>4} {'s_k':>6} {'h_q':>4} {'s_q':>3} {'overhead':>8} {'splits':>6} "
-          f"{'eager us/call':>14} {'cpu us/call':>12} {'graph us/call':>14}")
+          f"{'eager us/call':>14} {'cpu us/call':>12} {'python us/call':>15} {'graph us/call':>14}"
+          + (f" {'splitkv us':>11} {'combine us':>11}" if args.kernels else ""))
     with stream, checks.value_checks(False):
         for overhead in [int(x) for x in args.overheads.split(",")]:
             for batch in [int(x) for x in args.batch.split(",")]:
-                eager, cpu, graph, splits = measure(batch, args.seqlen, args.heads, args.s_q,
-                                                    DTYPES[args.dtype], overhead, stream, args.cprofile)
-                print(f"{batch:>4} {args.seqlen:>6} {args.heads:>4} {args.s_q:>3} {overhead:>8} {splits:>6} "
-                      f"{eager:>14.1f} {cpu:>12.1f} {graph:>14.1f}", flush=True)
+                r = measure(batch, args.seqlen, args.heads, args.s_q, DTYPES[args.dtype], overhead, stream,
+                            args.cprofile, args.kernels)
+                print(f"{batch:>4} {args.seqlen:>6} {args.heads:>4} {args.s_q:>3} {overhead:>8} {r['splits']:>6} "
+                      f"{r['eager']:>14.1f} {r['cpu']:>12.1f} {r['python']:>15.1f} {r['graph']:>14.1f}"
+                      + (f" {r['splitkv']:>11.1f} {r['combine']:>11.1f}" if args.kernels else ""), flush=True)
 
 
 if __name__ == "__main__":

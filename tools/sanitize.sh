@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the MLA kernels: memcheck, racecheck, synccheck and initcheck, one after
-# another, each over `tools/check_mla.py --set sanitizer --dtype both` (22 shapes x 2 dtypes,
-# each checked against the float64 reference; check_mla exits 1 on a wrong result).
+# another, each over `tools/check_mla.py --set sanitizer --dtype both --host-reference` (22
+# shapes x 2 dtypes, each checked against the float64 reference computed with NumPy, so that the
+# only GPU kernels are ours and the few that make the inputs; check_mla exits 1 on a wrong result).
 #
 #   tools/sanitize.sh [LOGDIR] [TOOL ...]
 #
@@ -26,12 +27,14 @@
 #   SANITIZE_TIMEOUT     seconds per tool (default 1800)
 #   SANITIZE_WARMUP      1 | 0: first a plain run, which also fills the cubin cache (default 1)
 #   SANITIZE_EXTRA_ARGS  more compute-sanitizer options for every tool (word-split)
+#   SANITIZE_RANGE       START:STOP, a slice of the 22 shapes (check_mla --range; default all)
+#   FLASHMLA_CUPY_EXTRA_OPTIONS  NVRTC options of the kernels under test (own cache entries):
+#                        -lineinfo puts source lines in the reports
 #
 # Choices (each overridable above):
 # * Kernels checked (auto): racecheck and synccheck check only ours (--kernel-name
 #   kns=flashmla: the mangled names of the split-KV, combine and metadata kernels contain their
-#   namespace); the reference's cuBLAS and CuPy kernels are not ours, and racecheck over them is
-#   slow. memcheck checks every kernel. initcheck checks only ours where the sanitizer tracks
+#   namespace); the CuPy kernels that make the inputs are not ours. memcheck checks every kernel. initcheck checks only ours where the sanitizer tracks
 #   what unchecked kernels write (--initcheck-track-filtered-global-memory, recent versions);
 #   older ones would then take the inputs written by CuPy's kernels for uninitialized, so there
 #   it checks every kernel.
@@ -110,10 +113,12 @@ if pool == "off":
 sys.argv[0] = "tools/check_mla.py"
 runpy.run_path("tools/check_mla.py", run_name="__main__")
 EOF
-app=("$python" -c "$wrapper" "$pool" --set sanitizer --dtype "$dtype" --seed "$seed")
+range=${SANITIZE_RANGE:-:}
+app=("$python" -c "$wrapper" "$pool" --set sanitizer --dtype "$dtype" --seed "$seed" --range "$range" --host-reference)
 
 echo "compute-sanitizer: $sanitizer ($("$sanitizer" --version 2>&1 | grep -i version | head -n 1))"
-echo "app: check_mla.py --set sanitizer --dtype $dtype --seed $seed (memory pool: $pool); logs: $logdir"
+echo "app: check_mla.py --set sanitizer --dtype $dtype --seed $seed --range $range --host-reference (memory pool: $pool); logs: $logdir"
+echo "kernel build options: ${FLASHMLA_CUPY_EXTRA_OPTIONS:-(default)}"
 
 summaries=()
 failed=0

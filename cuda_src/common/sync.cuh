@@ -45,12 +45,14 @@ __device__ __forceinline__ void named_barrier_sync(int id, int num_threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(num_threads) : "memory");
 }
 
+// The producer's half of a hand-off: the consumer's bar.sync on the same id sees every write
+// made before this.
 __device__ __forceinline__ void named_barrier_arrive(int id, int num_threads) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(num_threads) : "memory");
 }
 
 // Ordinary shared-memory stores (st.shared, stmatrix) must be fenced before the async proxy
-// (WGMMA operands, TMA stores) reads them.
+// (WGMMA operands) reads them or a TMA load overwrites them.
 __device__ __forceinline__ void fence_smem_for_async_proxy() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }

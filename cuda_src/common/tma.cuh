@@ -33,28 +33,4 @@ __device__ __forceinline__ void tma_load_4d(const TensorMap* map, uint32_t bar, 
         : "memory");
 }
 
-// Store one box from shared memory; boxes reaching past the tensor's bounds are clipped.
-__device__ __forceinline__ void tma_store_4d(const TensorMap* map, uint32_t src,
-                                             int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
-        :: "l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
-
-// Plain bulk copy shared -> global (`bytes` a multiple of 16, both addresses 16-byte aligned).
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(reinterpret_cast<uint64_t>(dst)), "r"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Wait until the committed bulk stores have finished reading shared memory.
-__device__ __forceinline__ void bulk_wait_smem_reads() {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-
 }  // namespace flashmla

@@ -33,9 +33,14 @@ mla_combine_kernel(const __grid_constant__ CombineParams p) {
     const int rows_per_split = p.h_kv * p.q_rows;
     const float* lse_accum = p.lse_accum + (int64_t)first_split * rows_per_split + row_in_batch;
 
+    // Each lane reads its splits' lse once into its own slots of `weight` (no other lane touches
+    // them before the __syncwarp), which then turn into the splits' weights.
+    float* weight = split_weight + warp * p.max_splits;
     float max_lse = -kInf;
     for (int s = lane; s < num_splits; s += 32) {
-        max_lse = fmaxf(max_lse, lse_accum[(int64_t)s * rows_per_split]);
+        const float lse = lse_accum[(int64_t)s * rows_per_split];
+        weight[s] = lse;
+        max_lse = fmaxf(max_lse, lse);
     }
     #pragma unroll
     for (int offset = 16; offset >= 1; offset /= 2) {
@@ -44,19 +49,13 @@ mla_combine_kernel(const __grid_constant__ CombineParams p) {
     if (max_lse == -kInf) max_lse = 0.0f;        // every split empty
 
     float sum = 0.0f;
-    for (int s = lane; s < num_splits; s += 32) {
-        sum += exp2f(lse_accum[(int64_t)s * rows_per_split] - max_lse);
-    }
+    for (int s = lane; s < num_splits; s += 32) sum += exp2f(weight[s] - max_lse);
     #pragma unroll
     for (int offset = 16; offset >= 1; offset /= 2) {
         sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     }
     const float total_lse = (sum == 0.0f || sum != sum) ? kInf : log2f(sum) + max_lse;
-
-    float* weight = split_weight + warp * p.max_splits;
-    for (int s = lane; s < num_splits; s += 32) {
-        weight[s] = exp2f(lse_accum[(int64_t)s * rows_per_split] - total_lse);
-    }
+    for (int s = lane; s < num_splits; s += 32) weight[s] = exp2f(weight[s] - total_lse);
     __syncwarp();
 
     // Each lane owns 16 of the 512 columns as four float4 (coalesced across the warp).
@@ -67,10 +66,11 @@ mla_combine_kernel(const __grid_constant__ CombineParams p) {
     const float4* o_accum = reinterpret_cast<const float4*>(
         p.o_accum + ((int64_t)first_split * rows_per_split + row_in_batch) * kHeadDimV);
     const int64_t split_stride = (int64_t)rows_per_split * kHeadDimV / 4;
-    #pragma unroll 2
+    // No branch on the weight inside: an empty split's rows hold zeros (weight 0), and without
+    // a branch the loads of several splits are in flight at once.
+    #pragma unroll 4
     for (int s = 0; s < num_splits; ++s) {
         const float w = weight[s];
-        if (w == 0.0f) continue;                      // empty split: its o_accum holds zeros
         #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
             const float4 x = o_accum[s * split_stride + v * 32 + lane];

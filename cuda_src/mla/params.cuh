@@ -14,7 +14,6 @@ namespace flashmla {
 struct SplitKVParams {
     TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64
     TensorMap tma_kv;             // KV cache as [num_blocks][64][h_kv][576], box 64 x 64
-    TensorMap tma_o;              // O as [batch][q_rows][h_kv][512], box 64 x 64
     const int* block_table;       // [batch][block_table_stride]
     const int* seqlens;           // [batch]
     const int* sched_meta;        // [num_sm_parts][8]
@@ -22,6 +21,7 @@ struct SplitKVParams {
     float* lse;                   // [batch][h_q][s_q], natural log
     float* lse_accum;             // [total_splits][h_kv][q_rows], log2
     float* o_accum;               // [total_splits][h_kv][q_rows][512]
+    void* o;                      // [batch][q_rows][h_kv][512], q's dtype
     int64_t block_table_stride;
     int batch;
     int s_q;

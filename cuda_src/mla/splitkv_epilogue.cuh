@@ -1,16 +1,14 @@
 // Epilogue of one (request, split): normalize O by the softmax sum and write it out.
 //
-// * The request was not split: O in the input precision, staged in shared memory as eight
-//   swizzled 64 x 64 tiles and written by TMA (rows past the query count are clipped by the
-//   tensor map); lse (natural log) straight into [batch][h_q][s_q].
+// * The request was not split: O in the input precision into [batch][q_rows][h_kv][512] (the
+//   output itself when h_kv = 1), lse (natural log) into [batch][h_q][s_q].
 // * Otherwise: fp32 O rows and the log2-domain lse into the split workspace, for the combine
 //   kernel.
-// Shared-memory staging reuses the page buffers, which are idle by now.
 #pragma once
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
 
 #include "common/sync.cuh"
-#include "common/tma.cuh"
 #include "mla/params.cuh"
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
@@ -66,63 +64,45 @@ __device__ __forceinline__ void store_lse(const SplitKVParams& p, typename T::Sh
     }
 }
 
-// O / sum -> Element -> swizzled smem tiles (warpgroup wg: tiles 4wg .. 4wg+3) -> TMA store.
-template <typename T, typename FragO>
-__device__ __forceinline__ void store_o_final(const SplitKVParams& p, typename T::SharedStorage& st,
-                                              FragO const& o, const float (&inv_sum)[2],
-                                              const OutputTarget& out, int wg, int idx_in_wg) {
-    using Element = typename T::Element;
-    Tensor o_cast = make_tensor_like<Element>(o);
-    CUTE_UNROLL
-    for (int i = 0; i < size(o); ++i) o_cast(i) = Element(o(i) * inv_sum[(i / 2) % 2]);
-
-    Element* staging = st.kv[0];
-    auto s_out = make_tensor(make_smem_ptr(staging),
-                             tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                           Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
-    auto s_half = local_tile(s_out, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{}, make_coord(_0{}, wg));
-    auto copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename T::MmaPVRegP{});
-    auto thr = copy.get_slice(idx_in_wg);
-    cute::copy(copy, thr.retile_S(o_cast), thr.partition_D(s_half));
-    fence_smem_for_async_proxy();
-    named_barrier_sync(6 + wg, 128);   // this warpgroup's tiles are complete
-
-    if (idx_in_wg == 0) {
-        constexpr int kTileElems = kBlockM * kTileCols;
-        CUTE_UNROLL
-        for (int t = 0; t < kTilesV / 2; ++t) {
-            const int tile = wg * (kTilesV / 2) + t;
-            tma_store_4d(&p.tma_o, smem_u32(staging + tile * kTileElems), tile * kTileCols,
-                         out.m_block * kBlockM, out.kv_head, out.batch_idx);
-        }
-        bulk_commit();
-        bulk_wait_smem_reads();
-    }
+// Packs two floats into the two halves of a 32-bit word in the input precision.
+template <typename Element>
+__device__ __forceinline__ uint32_t pack_pair(float a, float b) {
+    cutlass::Array<Element, 2> pair;
+    pair[0] = Element(a);
+    pair[1] = Element(b);
+    return reinterpret_cast<uint32_t const&>(pair);
 }
 
-// O / sum in fp32 -> padded smem rows -> one bulk copy per valid row into o_accum.
+// O / sum from registers straight to global memory: per store, each quad writes 16 (fp32: 32)
+// contiguous bytes of one row, and L2 merges the quads' pieces of a sector. The output is tiny
+// next to the pages read, and without shared-memory staging the next request's Q and first
+// pages can be loading while this runs.
 template <typename T, typename FragO>
-__device__ __forceinline__ void store_o_split(const SplitKVParams& p, typename T::SharedStorage& st,
-                                              FragO const& o, const float (&inv_sum)[2],
-                                              const OutputTarget& out, int wg, int idx_in_wg) {
-    constexpr int kStride = kHeadDimV + 8;             // pad rows: no bank conflicts
-    float* staging = reinterpret_cast<float*>(&st.kv[0][0]);
+__device__ __forceinline__ void store_o(const SplitKVParams& p, FragO const& o, const float (&inv_sum)[2],
+                                        const OutputTarget& out, int wg, int idx_in_wg) {
+    using Element = typename T::Element;
+    const int col0 = wg * (kHeadDimV / 2) + fragment_col(0, idx_in_wg);
     CUTE_UNROLL
-    for (int i = 0; i < size(o); i += 2) {
-        const int row = fragment_row((i / 2) % 2, idx_in_wg);
-        const int col = wg * (kHeadDimV / 2) + fragment_col(i, idx_in_wg);
-        const float inv = inv_sum[(i / 2) % 2];
-        *reinterpret_cast<float2*>(staging + row * kStride + col) = make_float2(o(i) * inv, o(i + 1) * inv);
-    }
-    fence_smem_for_async_proxy();
-    __syncthreads();
-    const int r = threadIdx.x;
-    if (r < out.num_rows) {
-        float* dst = p.o_accum +
-            (((int64_t)out.split_idx * p.h_kv + out.kv_head) * p.q_rows + out.m_block * kBlockM + r) * kHeadDimV;
-        bulk_store(dst, smem_u32(staging + r * kStride), kHeadDimV * sizeof(float));
-        bulk_commit();
-        bulk_wait_smem_reads();
+    for (int half = 0; half < 2; ++half) {
+        const int row = fragment_row(half, idx_in_wg);
+        if (row >= out.num_rows) continue;
+        const int64_t q_row = out.m_block * kBlockM + row;
+        const float inv = inv_sum[half];
+        if (out.split_idx < 0) {
+            Element* dst = static_cast<Element*>(p.o) +
+                (((int64_t)out.batch_idx * p.q_rows + q_row) * p.h_kv + out.kv_head) * kHeadDimV + col0;
+            CUTE_UNROLL
+            for (int i = half * 2; i < size(o); i += 4) {
+                *reinterpret_cast<uint32_t*>(dst + (i / 4) * 8) = pack_pair<Element>(o(i) * inv, o(i + 1) * inv);
+            }
+        } else {
+            float* dst = p.o_accum +
+                (((int64_t)out.split_idx * p.h_kv + out.kv_head) * p.q_rows + q_row) * kHeadDimV + col0;
+            CUTE_UNROLL
+            for (int i = half * 2; i < size(o); i += 4) {
+                *reinterpret_cast<float2*>(dst + (i / 4) * 8) = make_float2(o(i) * inv, o(i + 1) * inv);
+            }
+        }
     }
 }
 

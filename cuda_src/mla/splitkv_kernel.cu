@@ -35,6 +35,33 @@ __device__ __forceinline__ int causal_mask_len(const SplitKVParams& p, int m_blo
     return q_row < p.q_rows ? p.s_q - 1 - q_row / p.heads_per_kv : 0;
 }
 
+// The pages [first_page, end_page) of request `req` that a CTA reads, given its scheduler range
+// {begin_req, begin_token, end_req, end_token}; `whole`: the range covers the whole request (its
+// output is final, else a split for the combine kernel). Causal: pages no row of the block sees
+// are dropped.
+struct RequestSpan {
+    int seqlen, first_page, end_page;
+    bool whole;
+};
+
+__device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int m_block, int req, int4 range) {
+    RequestSpan r;
+    r.seqlen = p.seqlens[req];
+    const int seq_pages = (r.seqlen + kPageBlock - 1) / kPageBlock;
+    r.first_page = req == range.x ? range.y / kPageBlock : 0;
+    r.end_page = req == range.z ? (range.w + kPageBlock - 1) / kPageBlock : seq_pages;
+    r.whole = r.first_page == 0 && r.end_page == seq_pages;
+    if (p.causal) {
+        // The last row has the shortest mask; pages past its limit are skipped and rows with
+        // longer masks are cut by RowState::right_border (rows of one block differ by < 64
+        // tokens, so only the last two pages need masking).
+        const int common_mask = causal_mask_len(p, m_block, kBlockM - 1);
+        const int visible_end = req == range.z ? min(range.w, r.seqlen - common_mask) : r.seqlen - common_mask;
+        r.end_page = (visible_end + kPageBlock - 1) / kPageBlock;
+    }
+    return r;
+}
+
 template <typename T>
 struct SplitKVCta {
     using Element = typename T::Element;
@@ -79,6 +106,19 @@ struct SplitKVCta {
         for (int t = kFirst; t < kLast; ++t) {
             tma_load_4d(&p.tma_kv, bar + t * sizeof(uint64_t), smem_u32(page_buf(buf) + t * kTileElems),
                         t * kTileCols, 0, kv_head, page_id, L2Hint::kEvictFirst);
+        }
+    }
+
+    // Issued by one thread when request `req` may start loading: its first page into kv[0] and
+    // the second into kv[1] (tiles 4-8 first: warpgroup 1 consumes them first).
+    __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r) const {
+        if (r.first_page >= r.end_page) return;
+        const int* table = p.block_table + req * p.block_table_stride;
+        load_page_tiles<0, kTilesK>(0, table[r.first_page]);
+        if (r.first_page + 1 < r.end_page) {
+            const int next = table[r.first_page + 1];
+            load_page_tiles<4, kTilesK>(1, next);
+            load_page_tiles<0, 4>(1, next);
         }
     }
 
@@ -235,7 +275,6 @@ __global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_consta
     if (threadIdx.x == 0) {
         tma_prefetch_descriptor(&p.tma_q);
         tma_prefetch_descriptor(&p.tma_kv);
-        tma_prefetch_descriptor(&p.tma_o);
         mbarrier_init(cta.bar_q, 1);
         for (int t = 0; t < kTilesK; ++t) {
             mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), 1);
@@ -248,64 +287,49 @@ __global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_consta
     // Everything below reads what earlier kernels wrote (scheduler metadata, inputs).
     pdl_wait_for_producers();
     const int* meta = p.sched_meta + blockIdx.z * kSchedMetaInts;
-    const int4 range = *reinterpret_cast<const int4*>(meta);
-    const int begin_req = range.x, begin_token = range.y, end_req = range.z, end_token = range.w;
+    const int4 range = *reinterpret_cast<const int4*>(meta);   // begin_req, begin_token, end_req, end_token
+    const int begin_req = range.x, end_req = range.z;
     if (begin_req >= p.batch) return;
     const int begin_split = meta[4];
 
     uint32_t phase_q = 0, phase0 = 0, phase1 = 0;
-    if (threadIdx.x == 0) cta.load_q(begin_req);
+    if (threadIdx.x == 0) {
+        cta.load_q(begin_req);
+        cta.load_first_pages(begin_req, request_span(p, cta.m_block, begin_req, range));
+    }
 
     #pragma unroll 1
     for (int req = begin_req; req <= end_req; ++req) {
-        const int seqlen = p.seqlens[req];
-        const int seq_pages = (seqlen + kPageBlock - 1) / kPageBlock;
-        const int first_page = req == begin_req ? begin_token / kPageBlock : 0;
-        int end_page = req == end_req ? (end_token + kPageBlock - 1) / kPageBlock : seq_pages;
-        const bool whole_request = first_page == 0 && end_page == seq_pages;
-
+        const RequestSpan span = request_span(p, cta.m_block, req, range);
         RowState rows;
         rows.sum[0] = rows.sum[1] = 0.0f;
-        if (p.causal) {
-            // The last row has the shortest mask; pages past its limit are skipped and rows with
-            // longer masks are cut by right_border (rows of one block differ by < 64 tokens, so
-            // only the last two pages need masking).
-            const int common_mask = causal_mask_len(p, cta.m_block, kBlockM - 1);
-            const int visible_end = req == end_req ? min(end_token, seqlen - common_mask) : seqlen - common_mask;
-            end_page = (visible_end + kPageBlock - 1) / kPageBlock;
-            CUTE_UNROLL
-            for (int half = 0; half < 2; ++half) {
-                const int row = fragment_row(half, cta.idx);
-                rows.right_border[half] = min(seqlen - causal_mask_len(p, cta.m_block, row), end_page * kPageBlock);
-            }
-        } else {
-            rows.right_border[0] = rows.right_border[1] = seqlen;
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            const int row = fragment_row(half, cta.idx);
+            rows.right_border[half] = p.causal ? min(span.seqlen - causal_mask_len(p, cta.m_block, row),
+                                                     span.end_page * kPageBlock)
+                                               : span.seqlen;
         }
         cta.block_table = p.block_table + req * p.block_table_stride;
-        cta.seqlen = seqlen;
-        cta.end_page = end_page;
+        cta.seqlen = span.seqlen;
+        cta.end_page = span.end_page;
 
-        if (threadIdx.x == 0 && first_page < end_page) {
-            cta.template load_page_tiles<0, kTilesK>(0, cta.block_table[first_page]);
-            if (first_page + 1 < end_page) {
-                // warpgroup 1 consumes tiles 4-8 first
-                const int next = cta.block_table[first_page + 1];
-                cta.template load_page_tiles<4, kTilesK>(1, next);
-                cta.template load_page_tiles<0, 4>(1, next);
-            }
-        }
         Tensor o = partition_fragment_C(typename T::MmaPVRegP{}, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});
         clear(o);
         if (threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
         mbarrier_wait(cta.bar_q, phase_q);
         phase_q ^= 1;
-        if (first_page < end_page) cta.mainloop(first_page, o, rows, phase0, phase1);
+        if (span.first_page < span.end_page) cta.mainloop(span.first_page, o, rows, phase0, phase1);
 
         float sums[2];
         reduce_row_sums<T>(rows, st, cta.wg, cta.idx, sums);   // all warps are past the mainloop
         if (req < end_req) {
-            if (threadIdx.x == 0) cta.load_q(req + 1);          // sQ is free again
+            // Q and page buffers are free: the next request loads while this one is written out.
+            if (threadIdx.x == 0) {
+                cta.load_q(req + 1);
+                cta.load_first_pages(req + 1, request_span(p, cta.m_block, req + 1, range));
+            }
         } else {
             pdl_allow_dependents();                             // the combine kernel may start
         }
@@ -320,14 +344,10 @@ __global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_consta
         out.kv_head = cta.kv_head;
         out.m_block = cta.m_block;
         out.num_rows = min(p.q_rows - cta.m_block * kBlockM, kBlockM);
-        out.split_idx = whole_request ? -1 : p.num_splits[req] + (req == begin_req ? begin_split : 0);
-        if (whole_request) {
-            store_o_final<T>(p, st, o, inv_sum, out, cta.wg, cta.idx);
-        } else {
-            store_o_split<T>(p, st, o, inv_sum, out, cta.wg, cta.idx);
-        }
+        out.split_idx = span.whole ? -1 : p.num_splits[req] + (req == begin_req ? begin_split : 0);
+        store_o<T>(p, o, inv_sum, out, cta.wg, cta.idx);
         store_lse<T>(p, st, out);
-        if (req != end_req) __syncthreads();                    // staging and row_max reused
+        if (req != end_req) __syncthreads();                    // row_max and row_sum are reused
     }
 }
 

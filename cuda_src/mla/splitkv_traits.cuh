@@ -72,8 +72,6 @@ struct SplitKVTraits {
 #error "compile through flashmla_cupy (it defines the host-side shared-memory size)"
 #endif
     static_assert(sizeof(SharedStorage) == FLASHMLA_SPLITKV_SMEM_BYTES, "host and device shared-memory sizes differ");
-    // Epilogue staging reuses the two page buffers.
-    static_assert(kBlockM * (kHeadDimV + 8) * sizeof(float) <= sizeof(SharedStorage::kv), "fp32 O staging");
 };
 
 // Named barriers between the two warpgroups (0 is __syncthreads).

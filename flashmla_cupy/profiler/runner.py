@@ -15,7 +15,7 @@ from . import ceilings as ceil_mod
 from . import shapes as shp
 from .env import NoGPU, _first_line
 from .targets import ATTENTION_TARGETS, MLA_TARGETS, Target
-from .timing import L2Flush, summarize, time_cuda
+from .timing import L2Flush, describe_flush, flush_bytes, summarize, time_cuda
 
 # --check passes under these (FlashMLA's test requires cos_diff < 1e-5 for out and lse).
 COS_DIFF_LIMIT = 1e-5
@@ -31,7 +31,7 @@ class RunConfig:
     warmup: int = 10
     budget_s: float = 3.0
     graph: bool = False
-    flush_l2: bool = True
+    flush: str = "write"                # L2 flush before each run: write, read or none (timing.FLUSH_MODES)
     check: bool = False
     seed: int = 0
     device: int = 0
@@ -52,13 +52,13 @@ class RunResult:
     skipped_targets: dict[str, str] = field(default_factory=dict)
 
 
-def method_description(config: RunConfig, flush: L2Flush | None, kind: str) -> dict:
+def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
     what = ("whole call: split-KV + combine kernels (host value checks off); metadata computed once "
             "beforehand"
             if kind == "mla" else "whole call of each implementation (outputs allocated inside)")
     timing = ("CUDA events around each replay of a CUDA graph captured from one call"
               if config.graph else "CUDA events around each call, runs enqueued back to back")
-    cache = flush.describe() if flush is not None else "L2 not flushed (warm cache: inputs may be cached)"
+    cache = describe_flush(config.flush, flush_bytes(l2_bytes))
     return {
         "timed": what,
         "timing": timing,
@@ -197,8 +197,8 @@ class CudaSession:
         self._device = cupy.cuda.Device(self.config.device)
         self._device.__enter__()
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        if self.config.flush_l2:
-            self.flush = L2Flush(self.gpu.get("l2_bytes", 0), self.config.device)
+        if self.config.flush != "none":
+            self.flush = L2Flush(self.gpu.get("l2_bytes", 0), self.config.device, self.config.flush)
         return self
 
     def __exit__(self, *exc):
@@ -248,7 +248,7 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
     with (session or CudaSession(config, gpu)) as dev:
         on_progress("measuring the ceilings (copy bandwidth, matmul)")
         c = dev.ceilings()
-        method = method_description(config, dev.flush, work.kind)
+        method = method_description(config, gpu.get("l2_bytes", 0), work.kind)
         try:
             for i, shape in enumerate(shape_list):
                 on_progress(f"{shape.label()}: inputs")

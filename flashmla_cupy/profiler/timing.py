@@ -89,27 +89,58 @@ def runs_for_budget(estimate_ms: float, repeats: int, budget_s: float, minimum: 
 
 MIN_FLUSH_BYTES = 256 << 20
 
+# How the L2 is emptied before each timed run:
+#   write  memset of the buffer, as triton's do_bench (FlashMLA's anchors were measured so): the
+#          L2 is left full of the buffer's dirty lines, whose write-back then shares HBM with the
+#          timed run (about 50 MB on an H100: ~17 us, a fixed cost that weighs on short calls);
+#   read   the buffer is read (a max-reduction): the L2 is left holding clean lines, which the
+#          timed run evicts for free;
+#   none   no flush (warm cache: inputs may be cached).
+FLUSH_MODES = ("write", "read", "none")
+
+
+def flush_bytes(l2_bytes: int) -> int:
+    return max(2 * int(l2_bytes), MIN_FLUSH_BYTES)
+
+
+def describe_flush(mode: str, nbytes: int) -> str:
+    size = f"{nbytes / 2**20:.0f} MiB"
+    if mode == "write":
+        return (f"L2 flushed before every run by a memset of {size} (as triton's do_bench; its dirty "
+                f"lines are written back during the timed run)")
+    if mode == "read":
+        return f"L2 flushed before every run by reading {size} (clean lines: nothing is written back)"
+    return "L2 not flushed (warm cache: inputs may be cached)"
+
 
 class L2Flush:
-    """A device buffer at least twice the L2's size; ``flush(stream)`` overwrites it."""
+    """A device buffer at least twice the L2's size; ``flush(stream)`` writes or reads all of it."""
 
-    def __init__(self, l2_bytes: int, device_id: int = 0):
+    def __init__(self, l2_bytes: int, device_id: int = 0, mode: str = "write"):
         import cupy
 
-        self.nbytes = max(2 * int(l2_bytes), MIN_FLUSH_BYTES)
+        if mode not in ("write", "read"):
+            raise ValueError(f"flush mode must be 'write' or 'read'; got {mode!r}")
+        self.mode = mode
+        self.nbytes = flush_bytes(l2_bytes)
         with cupy.cuda.Device(device_id):
-            self._buf = cupy.empty(self.nbytes, dtype=cupy.uint8)
+            self._buf = cupy.zeros(self.nbytes // 8, dtype=cupy.uint64)
+            self._max = cupy.empty((), dtype=cupy.uint64)
 
     def flush(self, stream) -> None:
         import cupy
 
-        cupy.cuda.runtime.memsetAsync(self._buf.data.ptr, 0, self.nbytes, stream.ptr)
+        if self.mode == "write":
+            cupy.cuda.runtime.memsetAsync(self._buf.data.ptr, 0, self.nbytes, stream.ptr)
+        else:
+            with stream:
+                cupy.max(self._buf, out=self._max)
 
     def describe(self) -> str:
-        return f"L2 flushed before every run (memset of {self.nbytes / 2**20:.0f} MiB)"
+        return describe_flush(self.mode, self.nbytes)
 
     def release(self) -> None:
-        self._buf = None
+        self._buf = self._max = None
 
 
 class GraphCaptureError(RuntimeError):
