@@ -41,9 +41,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .profiler.timing import FLUSH_MODES
-
     from .profiler.env import package_version
+    from .profiler.timing import FLUSH_MODES
 
     p = argparse.ArgumentParser(
         prog="flashmla-cupy",

@@ -136,9 +136,6 @@ class L2Flush:
             with stream:
                 cupy.max(self._buf, out=self._max)
 
-    def describe(self) -> str:
-        return describe_flush(self.mode, self.nbytes)
-
     def release(self) -> None:
         self._buf = self._max = None
 
