@@ -14,32 +14,23 @@ Helpers:
   ``as_device_array`` is the two together.
 * ``require_dtype``, ``require_ndim``, ``require_contiguous``, ``require_last_dim_contiguous``,
   ``require_int``, ``require_bool``, ``checked_softmax_scale``, ``require_hopper``.
-* ``metadata_inputs``, ``mla_inputs``, ``output_array``, ``check_values``: all the checks of
+* ``metadata_inputs``, ``mla_inputs``, ``output_array``: all the host-side checks of
   ``get_mla_metadata`` and ``flash_mla_with_kvcache``.
 
-Value checks (sequence lengths against the block table, block ids against the cache) need the
-values on the host: a small device-to-host copy (``cupy.asnumpy``), which synchronizes the
-stream. They are on by default and skipped during CUDA-graph capture; ``set_value_checks(False)``
-(or the environment variable ``FLASHMLA_CUPY_VALUE_CHECKS=0``) turns them off for production
-decode loops, where an out-of-range block id reads zeros (TMA bounds) and a sequence longer than
-its block-table row is undefined behavior.
+The *values* inside the integer arrays (sequence lengths, block ids) are not read here: that
+would synchronize with the GPU. The kernels check them and report through ``errors``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-import os
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
-from . import scheduler
-
-HEAD_DIM_K = 576
-HEAD_DIM_V = 512
-PAGE_BLOCK_SIZE = scheduler.PAGE_BLOCK_SIZE
+from . import interop, scheduler
+from .constants import HEAD_DIM_K, HEAD_DIM_V, PAGE_BLOCK_SIZE, SCHED_META_INTS
 
 _DLPACK_CUDA_DEVICES = (2, 13)    # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is pinned host memory)
 _CUDA_DEVICE_MEMORY = (cupy.cuda.runtime.memoryTypeDevice, cupy.cuda.runtime.memoryTypeManaged)
@@ -47,30 +38,6 @@ _CUDA_DEVICE_MEMORY = (cupy.cuda.runtime.memoryTypeDevice, cupy.cuda.runtime.mem
 
 class UnsupportedDeviceError(RuntimeError):
     """The current GPU cannot run these kernels (they need Hopper, sm_90)."""
-
-
-_value_checks = os.environ.get("FLASHMLA_CUPY_VALUE_CHECKS", "1") not in ("0", "false", "off")
-
-
-def set_value_checks(enabled: bool) -> None:
-    """Turn the host-side value checks of the MLA functions on or off (module-wide)."""
-    global _value_checks
-    _value_checks = bool(enabled)
-
-
-@contextlib.contextmanager
-def value_checks(enabled: bool):
-    """Context manager form of ``set_value_checks``."""
-    global _value_checks
-    previous, _value_checks = _value_checks, bool(enabled)
-    try:
-        yield
-    finally:
-        _value_checks = previous
-
-
-def value_checks_enabled() -> bool:
-    return _value_checks and not cupy.cuda.get_current_stream().is_capturing()
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,6 +58,12 @@ def device_view(x, name: str, what: str = "a GPU array") -> cupy.ndarray:
     kind = f"{type(x).__module__}.{type(x).__qualname__}"
     if isinstance(x, np.ndarray):
         raise TypeError(f"{expected}; got a NumPy array in host memory (copy it first: cupy.asarray({name}))")
+    tensor = interop.torch_tensor_type()
+    if tensor is not None and isinstance(x, tensor) and x.is_cuda and interop.numpy_dtype_of_torch(x.dtype):
+        # Viewed directly: DLPack's stream handshake would join a stream that torch may be
+        # capturing into a graph. Callers order the streams themselves (mla.py).
+        return interop.device_view_of(x.data_ptr(), tuple(x.shape), interop.numpy_dtype_of_torch(x.dtype), x,
+                                      x.get_device(), strides=tuple(s * x.element_size() for s in x.stride()))
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         device_type = int(x.__dlpack_device__()[0])
         if device_type not in _DLPACK_CUDA_DEVICES:
@@ -179,7 +152,7 @@ def checked_softmax_scale(value, default: float, positive: bool) -> float:
 
 def require_hopper(device_id: int) -> dict:
     """The device's properties (``launch.device_properties``) if it is a Hopper GPU."""
-    from .launch import device_properties
+    from .driver import device_properties
 
     props = device_properties(device_id)
     if props["major"] != 9:
@@ -209,12 +182,17 @@ def metadata_inputs(cache_seqlens, num_heads_per_head_k, num_heads_k) -> tuple[c
     heads_per_kv = require_int(num_heads_per_head_k, "num_heads_per_head_k", 1)
     h_kv = require_int(num_heads_k, "num_heads_k", 1)
     props = require_hopper(cupy.cuda.runtime.getDevice())
-    if value_checks_enabled():
-        host = cupy.asnumpy(seqlens)
-        if (host < 0).any():
-            i = int(np.flatnonzero(host < 0)[0])
-            raise ValueError(f"cache_seqlens[{i}] must be >= 0; got {int(host[i])}")
     return seqlens, heads_per_kv, h_kv, props
+
+
+def metadata_outputs(out, batch: int, parts: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """get_mla_metadata's ``out=(tile_scheduler_metadata, num_splits)``: int32 arrays of shapes
+    ``(parts, 8)`` and ``(batch + 1,)``, C-contiguous, on the current device."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a pair (tile_scheduler_metadata, num_splits); got {type(out).__name__}")
+    meta = output_array(out[0], "out[0] (tile_scheduler_metadata)", (parts, SCHED_META_INTS), np.int32)
+    splits = output_array(out[1], "out[1] (num_splits)", (batch + 1,), np.int32)
+    return meta, splits
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,17 +216,19 @@ class MLAInputs:
     num_sm_parts: int
     # layout facts the kernels' host side needs, kept when the arrays are dropped
     dtype: np.dtype | None = None
-    q_contiguous: bool | None = None
+    q_strides: tuple | None = None            # bytes
     k_cache_shape: tuple | None = None
-    k_cache_strides: tuple | None = None
-    block_table_stride: int | None = None
+    k_cache_strides: tuple | None = None      # bytes
+    block_table_stride: int | None = None     # elements
+    block_table_columns: int | None = None
 
     def __post_init__(self):
         if self.q is not None:
             self.dtype = self.q.dtype
-            self.q_contiguous = bool(self.q.flags.c_contiguous)
+            self.q_strides = tuple(self.q.strides)
             self.k_cache_shape, self.k_cache_strides = tuple(self.k_cache.shape), tuple(self.k_cache.strides)
             self.block_table_stride = self.block_table.strides[0] // self.block_table.itemsize
+            self.block_table_columns = self.block_table.shape[1]
 
     @property
     def heads_per_kv(self) -> int:
@@ -312,9 +292,9 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     q_rows = s_q * (h_q // h_kv)
     device_props = require_hopper(cupy.cuda.runtime.getDevice())
     parts = scheduler.num_sm_parts(device_props["sm_count"], q_rows, h_kv)
-    if tile_scheduler_metadata.shape != (parts, scheduler.SCHED_META_INTS):
+    if tile_scheduler_metadata.shape != (parts, SCHED_META_INTS):
         raise ValueError(
-            f"tile_scheduler_metadata must have shape ({parts}, {scheduler.SCHED_META_INTS}), from "
+            f"tile_scheduler_metadata must have shape ({parts}, {SCHED_META_INTS}), from "
             f"get_mla_metadata(cache_seqlens, s_q * h_q // h_kv = {q_rows}, h_kv = {h_kv}) on this device; "
             f"got {tuple(tile_scheduler_metadata.shape)}")
     if num_splits.shape != (batch + 1,):
@@ -327,21 +307,20 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     for arr, name in ((cache_seqlens, "cache_seqlens"), (tile_scheduler_metadata, "tile_scheduler_metadata"),
                       (num_splits, "num_splits")):
         require_contiguous(arr, name)
-    # TMA: 16-byte aligned base and strides.
+    # TMA: 16-byte aligned base and strides (q: base; other strides are handled by a copy).
     if k_cache.data.ptr % 16 or any(s % 16 for s in k_cache.strides[:3]):
         raise ValueError(f"k_cache must start on a 16-byte boundary with 16-byte-multiple strides (TMA); "
                          f"got address {k_cache.data.ptr:#x}, strides {k_cache.strides}")
+    if q.data.ptr % 16:
+        raise ValueError(f"q must start on a 16-byte boundary (TMA); got address {q.data.ptr:#x}")
 
     scale = checked_softmax_scale(softmax_scale, HEAD_DIM_K ** -0.5, positive=True)
     if scale * math.log2(math.e) > float(np.finfo(np.float32).max):     # the kernels use scale * log2(e)
         raise ValueError(f"softmax_scale must be at most float32 max / log2(e); got {softmax_scale!r}")
     causal = require_bool(causal, "causal")
 
-    inputs = MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                       batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
-    if value_checks_enabled():
-        check_values(inputs.cache_seqlens, inputs.block_table, inputs.k_cache.shape[0])
-    return inputs
+    return MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                     batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
 
 
 def output_array(x, name: str, shape: tuple, dtype) -> cupy.ndarray:
@@ -352,22 +331,3 @@ def output_array(x, name: str, shape: tuple, dtype) -> cupy.ndarray:
     require_dtype(arr, name, [dtype])
     require_contiguous(arr, name)
     return arr
-
-
-def check_values(cache_seqlens, block_table, num_blocks: int) -> None:
-    """Sequence lengths within [0, 64 * max_blocks]; the block ids they use within the cache."""
-    seqlens = cupy.asnumpy(cache_seqlens)
-    columns = block_table.shape[1]
-    capacity = columns * PAGE_BLOCK_SIZE
-    bad = np.flatnonzero((seqlens < 0) | (seqlens > capacity))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"cache_seqlens[{i}] must be in [0, {capacity}] (block_table holds {columns} "
-                         f"pages of {PAGE_BLOCK_SIZE} tokens per request); got {int(seqlens[i])}")
-    table = cupy.asnumpy(block_table)
-    used = np.arange(columns)[None, :] < -(-seqlens[:, None] // PAGE_BLOCK_SIZE)
-    rows, cols = np.nonzero(used & ((table < 0) | (table >= num_blocks)))
-    if rows.size:
-        r, c = int(rows[0]), int(cols[0])
-        raise ValueError(f"block_table[{r}, {c}] must be a block of k_cache (0 <= id < {num_blocks}), "
-                         f"since request {r} uses it; got {int(table[r, c])}")

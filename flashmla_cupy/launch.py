@@ -13,57 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import sys
 import threading
 
 import cupy
 
 from . import compiler
 from .compiler import Program
+from .driver import check, device_arch, driver, libcuda
 from .params import device_sizeof
-
-
-class DriverError(RuntimeError):
-    pass
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    from cuda.bindings import driver
-    return driver
-
-
-def check(result):
-    """Unpack a cuda-bindings result tuple, raising on an error code."""
-    drv = _driver()
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != drv.CUresult.CUDA_SUCCESS:
-        _, msg = drv.cuGetErrorString(err)
-        raise DriverError(f"CUDA driver error {int(err)}: {msg.decode() if msg else err}")
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else tuple(rest)
-
-
-@functools.lru_cache(maxsize=None)
-def device_properties(device_id: int) -> dict:
-    """Name, compute capability, SM count and clocks of a device (cached)."""
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    name = props["name"]
-    return {
-        "name": name.decode() if isinstance(name, bytes) else str(name),
-        "major": int(props["major"]),
-        "minor": int(props["minor"]),
-        "sm_count": int(props["multiProcessorCount"]),
-        "clock_khz": int(props.get("clockRate", 0)),
-        "memory_clock_khz": int(props.get("memoryClockRate", 0)),
-        "smem_per_block_optin": int(props.get("sharedMemPerBlockOptin", 0)),
-    }
-
-
-def device_arch(device_id: int) -> str:
-    p = device_properties(device_id)
-    return f"sm_{p['major']}{p['minor']}" + ("a" if p["major"] == 9 else "")
 
 
 class Kernel:
@@ -78,7 +35,7 @@ class Kernel:
             self._module = cupy.cuda.function.Module()
             self._module.load(self.cubin.image)
             self._function = self._module.get_function(self.cubin.lowered[name_expression])
-        self.handle = _driver().CUfunction(self._function.ptr)
+        self.handle = driver().CUfunction(self._function.ptr)
         self._smem_limit = 0
         self._lock = threading.Lock()
 
@@ -88,7 +45,7 @@ class Kernel:
 
     def _ensure_smem(self, smem: int) -> None:
         if smem > 48 * 1024 and smem > self._smem_limit:
-            drv = _driver()
+            drv = driver()
             with self._lock:
                 check(drv.cuFuncSetAttribute(
                     self.handle, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
@@ -136,8 +93,7 @@ class _LaunchConfig(ctypes.Structure):
 
 @functools.lru_cache(maxsize=None)
 def _cu_launch_kernel_ex():
-    lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-    fn = lib.cuLaunchKernelEx
+    fn = libcuda().cuLaunchKernelEx
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
@@ -160,7 +116,7 @@ class Launch:
         self._attr = _LaunchAttribute()
         cfg = _LaunchConfig(*grid, *block, smem, stream)
         if pdl:
-            self._attr.id = int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self._attr.id = int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
             ctypes.c_int.from_buffer(self._attr.value).value = 1   # programmaticStreamSerializationAllowed
             cfg.attrs = ctypes.pointer(self._attr)
             cfg.numAttrs = 1
@@ -171,16 +127,19 @@ class Launch:
     def __call__(self) -> None:
         err = self._launch(self._config, self._handle, self._argv, None)
         if err:
-            check(_driver().CUresult(err))
+            check(driver().CUresult(err))
 
 
 _kernels: dict[tuple, Kernel] = {}
 _kernels_lock = threading.Lock()
 
 
-def get_kernel(program: Program, name_expression: str, device_id: int | None = None,
+def get_kernel(program: Program, name_expression: str | None = None, device_id: int | None = None,
                arch: str | None = None) -> Kernel:
-    """The loaded kernel on ``device_id`` (default: CuPy's current device), compiled on first use."""
+    """The loaded kernel ``name_expression`` (default: the program's first) on ``device_id``
+    (default: CuPy's current device), compiled on first use."""
+    if name_expression is None:
+        name_expression = program.kernels[0]
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
     if arch is None:

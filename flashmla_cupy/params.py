@@ -29,7 +29,11 @@ class SplitKVParams(ctypes.Structure):
         ("lse_accum", ctypes.c_uint64),
         ("o_accum", ctypes.c_uint64),
         ("o", ctypes.c_uint64),
+        ("error", ctypes.c_uint64),
         ("block_table_stride", ctypes.c_int64),
+        ("max_blocks_per_seq", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32),
+        ("total_splits", ctypes.c_int32),
         ("batch", ctypes.c_int32),
         ("s_q", ctypes.c_int32),
         ("q_rows", ctypes.c_int32),
@@ -48,6 +52,7 @@ class CombineParams(ctypes.Structure):
         ("o_accum", ctypes.c_uint64),
         ("o", ctypes.c_uint64),
         ("lse", ctypes.c_uint64),
+        ("error", ctypes.c_uint64),
         ("batch", ctypes.c_int32),
         ("q_rows", ctypes.c_int32),
         ("h_kv", ctypes.c_int32),
@@ -55,6 +60,7 @@ class CombineParams(ctypes.Structure):
         ("s_q", ctypes.c_int32),
         ("h_q", ctypes.c_int32),
         ("max_splits", ctypes.c_int32),
+        ("total_splits", ctypes.c_int32),
     ]
 
 
@@ -63,6 +69,7 @@ class MetadataParams(ctypes.Structure):
         ("seqlens", ctypes.c_uint64),
         ("sched_meta", ctypes.c_uint64),
         ("num_splits", ctypes.c_uint64),
+        ("error", ctypes.c_uint64),
         ("batch", ctypes.c_int32),
         ("block_n", ctypes.c_int32),
         ("fixed_overhead_blocks", ctypes.c_int32),

@@ -43,12 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-PAGE_BLOCK_SIZE = 64        # tokens per KV-cache page: the scheduler's unit of work
-FIXED_OVERHEAD_BLOCKS = 5   # cost of one request piece beyond its pages, in pages
-BLOCK_M = 64                # query rows per CTA of the split-KV kernel
-SCHED_META_INTS = 8         # ints per part in tile_scheduler_metadata
-
-_INT32_MAX = 2**31 - 1
+from .constants import BLOCK_M, FIXED_OVERHEAD_BLOCKS, PAGE_BLOCK_SIZE, SCHED_META_INTS  # noqa: F401 (re-exported)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -78,9 +73,7 @@ def payload(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
             fixed_overhead: int = FIXED_OVERHEAD_BLOCKS) -> int:
     """The budget of every part, in pages (see the module docstring)."""
     seqlens = _validated_seqlens(seqlens)
-    total_cost = sum(_ceil_div(s, block_n) + fixed_overhead for s in seqlens)
-    if total_cost > _INT32_MAX:
-        raise ValueError(f"total cost {total_cost} pages overflows the kernel's int32 sum")
+    total_cost = sum(_ceil_div(s, block_n) + fixed_overhead for s in seqlens)   # 64-bit in the kernel
     return max(_ceil_div(total_cost, num_sm_parts) + fixed_overhead, 2 * fixed_overhead)
 
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .launch import _driver, check
+from .driver import check, driver
 
 _CACHE_SIZE = 256
 _cache: OrderedDict[tuple, bytes] = OrderedDict()
@@ -24,7 +24,7 @@ _cache_lock = threading.Lock()
 def _data_type(dtype: np.dtype):
     import ml_dtypes
 
-    drv = _driver()
+    drv = driver()
     types = {
         np.dtype(ml_dtypes.bfloat16): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         np.dtype(np.float16): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -46,7 +46,7 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
         if hit is not None:
             _cache.move_to_end(key)
             return hit
-    drv = _driver()
+    drv = driver()
     rank = len(dims)
     swizzle = (drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b
                else drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)

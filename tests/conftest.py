@@ -29,7 +29,7 @@ def hopper_skip_reason() -> str | None:
     reason = gpu_skip_reason()
     if reason:
         return reason
-    from flashmla_cupy.launch import device_properties
+    from flashmla_cupy.driver import device_properties
     props = device_properties(0)
     if props["major"] != 9:
         return f"needs a Hopper (sm_90) GPU; device 0 is {props['name']} (sm_{props['major']}{props['minor']})"

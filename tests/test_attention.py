@@ -192,7 +192,7 @@ def _supported_archs() -> list[str]:
 @needs_nvrtc
 @pytest.mark.parametrize("arch", _supported_archs())
 def test_compiles_for_other_archs(arch):
-    # Plain CUDA: whatever GPU CuPy runs on, launch.device_arch's target must compile.
+    # Plain CUDA: whatever GPU CuPy runs on, driver.device_arch's target must compile.
     cubin = compiler.compile_program(attention.PROGRAM, arch)
     assert set(cubin.lowered) == set(attention.PROGRAM.kernels)
 

@@ -32,7 +32,7 @@ import cupy
 import numpy as np
 import pytest
 
-from flashmla_cupy import launch, mla, scheduler
+from flashmla_cupy import driver, launch, mla, scheduler
 from flashmla_cupy.testing import PAGE, check_against_reference, make_inputs, run_kernel
 
 pytestmark = pytest.mark.hopper
@@ -48,7 +48,7 @@ HEADS_PER_KV = (1, 2, 3, 5, 8, 16, 24, 32, 64, 100, 128)
 MAX_REPORTED = 50
 
 # Errors after which the CUDA context may be unusable: stop fuzzing.
-FATAL_ERRORS = (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError, launch.DriverError)
+FATAL_ERRORS = (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError, driver.DriverError)
 
 
 @dataclass
@@ -125,7 +125,7 @@ def draw_case(seed: int, dtype: str) -> Case:
 
 def has_split_request(case: Case) -> bool:
     """Whether the scheduler (host model) splits some request of this shape: the combine path."""
-    sm_count = launch.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
+    sm_count = driver.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
     parts = scheduler.num_sm_parts(sm_count, case.q_rows, case.h_kv)
     _, num_splits = scheduler.schedule(case.seqlens, parts)
     return bool((np.diff(num_splits) > 1).any())

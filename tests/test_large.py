@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import flashmla_cupy
-from flashmla_cupy import launch, mla, scheduler
+from flashmla_cupy import driver, launch, mla, scheduler
 from flashmla_cupy.testing import D_K, D_V, MLACase, PAGE, check_against_reference, make_inputs, run_kernel, seed_seqlens
 
 pytestmark = pytest.mark.hopper
@@ -63,7 +63,7 @@ def fill_nan_bits(x: cupy.ndarray) -> None:
 
 
 def sm_count() -> int:
-    return launch.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
+    return driver.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
 
 
 def take_requests(x: cupy.ndarray, idx) -> cupy.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import flashmla_cupy
-from flashmla_cupy.launch import device_properties
+from flashmla_cupy.driver import device_properties
 from flashmla_cupy.testing import check_against_reference, make_inputs, poisoned, run_kernel
 
 pytestmark = pytest.mark.hopper

@@ -227,5 +227,16 @@ def test_schedule_rejects_bad_arguments():
         scheduler.schedule([10, -1], 4)
     with pytest.raises(ValueError):
         scheduler.schedule([10], 0)
-    with pytest.raises(ValueError):
-        scheduler.schedule([2**30] * 200, 4)     # the kernel's int32 cost sum would overflow
+
+
+def test_schedule_of_huge_lengths_stays_in_int32():
+    """The kernel sums costs in 64 bits: lengths up to 2^31 - 1 schedule without overflow, and
+    every token it writes into the metadata fits in int32."""
+    seqlens = [2**31 - 1] * 200 + [5, 0]
+    metadata, num_splits = scheduler.schedule(seqlens, 132)
+    assert metadata.dtype == np.int32 and num_splits.dtype == np.int32
+    items = scheduler.parts_work(metadata, seqlens)
+    covered = {}
+    for item in items:
+        covered[item.request] = covered.get(item.request, 0) + item.pages
+    assert covered == {i: -(-s // 64) for i, s in enumerate(seqlens)}

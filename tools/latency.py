@@ -1,24 +1,30 @@
 """Small-batch latency of flash_mla_with_kvcache: back-to-back calls, host CPU time, CUDA graphs.
 
     python tools/latency.py [--batch 1,8,32] [--seqlen 4096] [--heads 128] [--s-q 1]
-                            [--overheads 5,10,20] [--kernels] [--cprofile]
+                            [--inputs cupy,torch] [--value-checks async|sync|off]
+                            [--kernels] [--cprofile]
 
-For each shape (and each scheduler overhead constant, an experiment knob of the tile
-scheduler: the cost in pages charged per request) it prints:
-  eager us/call   GPU time per call of 200 calls issued back to back through the Python API
-                  (out, lse and workspace preallocated, value checks off), median of 15 rounds
+Each row is one shape and one way of calling (``--inputs``):
+  cupy       the default call on CuPy arrays (outputs allocated by the call)
+  cupy-out   the same with out=, lse= and workspace= preallocated (allocation-free)
+  torch      flashmla_cupy.flash_mla (the torch drop-in) on torch tensors, torch's current stream
+and it prints:
+  eager us/call   GPU time per call of 200 calls issued back to back, median of 15 rounds
   cpu us/call     host time spent inside one call (no synchronization), median of 2000 calls
                   (--cprofile: and a cProfile of those calls)
-  graph us/call   the same call captured once in a CUDA graph, replays back to back
+  graph us/call   the call captured once in a CUDA graph, replays back to back (cupy-out only)
   python us/call  host time of one call with the two driver launches replaced by no-ops: what
                   the Python side costs (cpu minus this is the driver's launch time)
 With --kernels, also each kernel of the call alone, launched back to back from the call's
 prepared launch (GPU µs per launch): splitkv us, combine us.
-No L2 flush between calls: this is the latency a decode loop sees, not a bandwidth figure.
+Value checks run in their default mode ("async": no synchronization) unless --value-checks says
+otherwise. No L2 flush between calls: this is the latency a decode loop sees, not a bandwidth
+figure.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -26,7 +32,7 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy import checks, mla, scheduler
+from flashmla_cupy import mla
 from flashmla_cupy.testing import DTYPES
 
 
@@ -66,22 +72,30 @@ def host_us_per_call(fn, stream, n=2000) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False, kernels=False):
-    scheduler_default = scheduler.FIXED_OVERHEAD_BLOCKS
-    scheduler.FIXED_OVERHEAD_BLOCKS = overhead
-    try:
-        q, k_cache, block_table, seqlens = inputs(batch, seqlen, h_q, s_q, dtype)
-        meta, splits = flashmla_cupy.get_mla_metadata(seqlens, s_q * h_q, 1)
-    finally:
-        scheduler.FIXED_OVERHEAD_BLOCKS = scheduler_default
+def _calls(kind, batch, seqlen, h_q, s_q, dtype):
+    """The call to time for one way of calling (see the module docstring), and a graph-capturable
+    variant or None."""
+    q, k_cache, block_table, seqlens = inputs(batch, seqlen, h_q, s_q, dtype)
+    if kind == "torch":
+        import torch
+        from flashmla_cupy import flash_mla
+        q, k_cache, block_table, seqlens = (torch.from_dlpack(x) for x in (q, k_cache, block_table, seqlens))
+        meta, splits = flash_mla.get_mla_metadata(seqlens, s_q * h_q, 1)
+        return (lambda: flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
+                                                         causal=True)), meta, splits
+    meta, splits = flashmla_cupy.get_mla_metadata(seqlens, s_q * h_q, 1)
+    if kind == "cupy":
+        return (lambda: flashmla_cupy.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
+                                                             causal=True)), meta, splits
     out = cupy.empty((batch, s_q, h_q, 512), dtype=dtype)
     lse = cupy.empty((batch, h_q, s_q), dtype=np.float32)
     ws = flashmla_cupy.get_mla_workspace(q, k_cache, meta)
+    return (lambda: flashmla_cupy.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
+                                                         causal=True, out=out, lse=lse, workspace=ws)), meta, splits
 
-    def call():
-        flashmla_cupy.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
-                                             causal=True, out=out, lse=lse, workspace=ws)
 
+def measure(kind, batch, seqlen, h_q, s_q, dtype, stream, cprofile=False, kernels=False):
+    call, meta, splits = _calls(kind, batch, seqlen, h_q, s_q, dtype)
     for _ in range(20):
         call()
     stream.synchronize()
@@ -100,16 +114,18 @@ def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False, ke
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
-    stream.begin_capture()
-    call()
-    graph = stream.end_capture()
-    graph.launch(stream)
-    stream.synchronize()
-    result = {"eager": eager, "cpu": cpu_us, "graph": gpu_us_per_call(lambda: graph.launch(stream), stream),
-              "splits": int(cupy.asnumpy(splits)[-1])}
+    graph_us = float("nan")
+    if kind == "cupy-out":
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        graph_us = gpu_us_per_call(lambda: graph.launch(stream), stream)
+    result = {"eager": eager, "cpu": cpu_us, "graph": graph_us, "splits": int(cupy.asnumpy(cupy.asarray(splits))[-1])}
 
-    # The call's plan (looked up as the call does) and its two prepared launches.
-    plan = mla._plans[mla._plan_key(q, k_cache, block_table, seqlens, meta, splits, 512, None, True)]
+    # The call's plan (the last one made: all calls above share one layout) and its launches.
+    plan = next(reversed(mla._plans.values()))
     launches = (plan.splitkv, plan.combine)
     if kernels:
         result["splitkv"], result["combine"] = (gpu_us_per_call(launch, stream) for launch in launches)
@@ -121,6 +137,7 @@ def measure(batch, seqlen, h_q, s_q, dtype, overhead, stream, cprofile=False, ke
     finally:
         for launch, fn in zip(launches, real):
             launch._launch = fn
+    flashmla_cupy.check_errors()
     return result
 
 
@@ -131,22 +148,40 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--overheads", default=str(scheduler.FIXED_OVERHEAD_BLOCKS))
+    ap.add_argument("--inputs", default="cupy,cupy-out,torch",
+                    help="ways of calling, comma-separated: cupy, cupy-out, torch (default: all)")
+    ap.add_argument("--value-checks", choices=["async", "sync", "off"], default=None,
+                    help="value check mode (default: the library's, async)")
     ap.add_argument("--cprofile", action="store_true", help="also print where the host time of a call goes")
     ap.add_argument("--kernels", action="store_true", help="also time each kernel of the call alone")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
-    print(f"{'b':>4} {'s_k':>6} {'h_q':>4} {'s_q':>3} {'overhead':>8} {'splits':>6} "
+    mode = args.value_checks or flashmla_cupy.value_check_mode()
+    print(f"value checks: {mode}")
+    print(f"{'inputs':>8} {'b':>4} {'s_k':>6} {'h_q':>4} {'s_q':>3} {'splits':>6} "
           f"{'eager us/call':>14} {'cpu us/call':>12} {'python us/call':>15} {'graph us/call':>14}"
           + (f" {'splitkv us':>11} {'combine us':>11}" if args.kernels else ""))
-    with stream, checks.value_checks(False):
-        for overhead in [int(x) for x in args.overheads.split(",")]:
+    with stream, flashmla_cupy.value_checks(mode), _torch_on(stream):
+        for kind in args.inputs.split(","):
             for batch in [int(x) for x in args.batch.split(",")]:
-                r = measure(batch, args.seqlen, args.heads, args.s_q, DTYPES[args.dtype], overhead, stream,
+                r = measure(kind, batch, args.seqlen, args.heads, args.s_q, DTYPES[args.dtype], stream,
                             args.cprofile, args.kernels)
-                print(f"{batch:>4} {args.seqlen:>6} {args.heads:>4} {args.s_q:>3} {overhead:>8} {r['splits']:>6} "
+                print(f"{kind:>8} {batch:>4} {args.seqlen:>6} {args.heads:>4} {args.s_q:>3} {r['splits']:>6} "
                       f"{r['eager']:>14.1f} {r['cpu']:>12.1f} {r['python']:>15.1f} {r['graph']:>14.1f}"
                       + (f" {r['splitkv']:>11.1f} {r['combine']:>11.1f}" if args.kernels else ""), flush=True)
+
+
+@contextlib.contextmanager
+def _torch_on(stream):
+    """torch's current stream = ``stream`` (when torch is installed), so that every way of calling
+    runs on the stream the events time."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        yield
 
 
 if __name__ == "__main__":

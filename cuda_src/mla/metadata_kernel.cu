@@ -6,22 +6,33 @@
 // Output per part: [begin_req, begin_token, end_req, end_token, begin_split, 0, 0, 0]; and
 // num_splits[i] = number of splits of requests < i (prefix sums, num_splits[0] = 0).
 // flashmla_cupy/scheduler.py is the same algorithm in Python; the tests compare the two.
+//
+// Any int32 length is safe: a negative one is reported and scheduled as 0 (the split-KV kernel
+// then writes NaN for that request), costs are summed in 64 bits, and pages are counted without
+// overflowing at 2^31 - 1.
+#include "common/error.cuh"
 #include "mla/config.cuh"
 #include "mla/params.cuh"
 
 namespace flashmla {
 
 __device__ __forceinline__ int pages_of(int seqlen, int block_n) {
-    return (seqlen + block_n - 1) / block_n;
+    return seqlen / block_n + (seqlen % block_n != 0);
+}
+
+__device__ __forceinline__ int scheduled_seqlen(const MetadataParams& p, int i) {
+    const int seqlen = p.seqlens[i];
+    if (seqlen < 0) report_error(p.error, FLASHMLA_ERROR_SEQLEN_NEGATIVE, i, 0, seqlen, 0);
+    return max(seqlen, 0);
 }
 
 __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_constant__ MetadataParams p) {
     const int lane = threadIdx.x;
     const int overhead = p.fixed_overhead_blocks;
 
-    int total_cost = 0;
+    long long total_cost = 0;
     for (int i = lane; i < p.batch; i += 32) {
-        total_cost += pages_of(p.seqlens[i], p.block_n) + overhead;
+        total_cost += pages_of(scheduled_seqlen(p, i), p.block_n) + overhead;
     }
     #pragma unroll
     for (int offset = 16; offset >= 1; offset /= 2) {
@@ -29,14 +40,15 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
     }
     if (lane != 0) return;
 
-    const int payload = max((total_cost + p.num_sm_parts - 1) / p.num_sm_parts + overhead, 2 * overhead);
+    const long long payload =
+        max((total_cost + p.num_sm_parts - 1) / p.num_sm_parts + overhead, 2LL * overhead);
     int req = 0, page = 0, split = 0, splits_so_far = 0;
     p.num_splits[0] = 0;
     for (int part = 0; part < p.num_sm_parts; ++part) {
         const int begin_req = req, begin_token = page * p.block_n, begin_split = split;
-        int budget = payload;
+        long long budget = payload;
         while (req < p.batch) {
-            const int pages_left = pages_of(p.seqlens[req], p.block_n) - page;
+            const int pages_left = pages_of(max(p.seqlens[req], 0), p.block_n) - page;
             if (budget >= pages_left + overhead) {          // the rest of this request fits
                 splits_so_far += split + 1;
                 p.num_splits[req + 1] = splits_so_far;
@@ -46,7 +58,7 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
                 split = 0;
             } else {                                         // take what fits, split the request
                 if (budget - overhead > 0) {
-                    page += budget - overhead;
+                    page += int(budget - overhead);         // < pages_left: fits in an int
                     ++split;
                 }
                 break;
@@ -55,7 +67,7 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
         int4* out = reinterpret_cast<int4*>(p.sched_meta + part * kSchedMetaInts);
         out[0] = make_int4(begin_req, begin_token,
                            page > 0 ? req : req - 1,
-                           page > 0 ? page * p.block_n : p.seqlens[req - 1]);
+                           page > 0 ? page * p.block_n : max(p.seqlens[req - 1], 0));
         out[1] = make_int4(begin_split, 0, 0, 0);
     }
 }

@@ -22,7 +22,11 @@ struct SplitKVParams {
     float* lse_accum;             // [total_splits][h_kv][q_rows], log2
     float* o_accum;               // [total_splits][h_kv][q_rows][512]
     void* o;                      // [batch][q_rows][h_kv][512], q's dtype
+    int* error;                   // ErrorRecord in mapped host memory, or null (record nothing)
     int64_t block_table_stride;
+    int max_blocks_per_seq;       // block_table's columns: seqlens must be <= 64 * this
+    int num_blocks;               // k_cache's blocks: block ids must be in [0, num_blocks)
+    int total_splits;             // rows of lse_accum / o_accum (batch + num_sm_parts)
     int batch;
     int s_q;
     int q_rows;                   // s_q * heads_per_kv
@@ -40,6 +44,7 @@ struct CombineParams {
     const float* o_accum;         // [total_splits][h_kv][q_rows][512]
     void* o;                      // [batch][q_rows][h_kv][512], q's dtype
     float* lse;                   // [batch][h_q][s_q]
+    int* error;                   // ErrorRecord, or null
     int batch;
     int q_rows;
     int h_kv;
@@ -47,6 +52,7 @@ struct CombineParams {
     int s_q;
     int h_q;
     int max_splits;               // upper bound on any request's splits (num_sm_parts)
+    int total_splits;             // rows of lse_accum / o_accum
 };
 
 // Tile-scheduler (metadata) kernel.
@@ -54,6 +60,7 @@ struct MetadataParams {
     const int* seqlens;           // [batch]
     int* sched_meta;              // [num_sm_parts][8]
     int* num_splits;              // [batch + 1]
+    int* error;                   // ErrorRecord, or null
     int batch;
     int block_n;
     int fixed_overhead_blocks;

@@ -24,6 +24,7 @@ struct OutputTarget {
     int m_block;
     int num_rows;        // valid query rows in this m-block (<= 64)
     int split_idx;       // global split index, or -1 if the request was not split
+    bool bad;            // a bad length or block id: out and lse are NaN
 };
 
 // Total softmax sum per row: reduce the quad, then add the two warpgroups' halves through
@@ -57,10 +58,11 @@ __device__ __forceinline__ void store_lse(const SplitKVParams& p, typename T::Sh
         const int head = out.kv_head * p.heads_per_kv + q_row % p.heads_per_kv;
         const int token = q_row / p.heads_per_kv;
         p.lse[((int64_t)out.batch_idx * p.h_q + head) * p.s_q + token] =
-            empty ? kInf : logf(sum) + st.row_max[r] * kLn2;
+            out.bad ? kNaN : empty ? kInf : logf(sum) + st.row_max[r] * kLn2;
     } else {
+        // A NaN split makes the combined row NaN (combine_kernel.cu).
         p.lse_accum[((int64_t)out.split_idx * p.h_kv + out.kv_head) * p.q_rows + q_row] =
-            empty ? -kInf : log2f(sum) + st.row_max[r];
+            out.bad ? kNaN : empty ? -kInf : log2f(sum) + st.row_max[r];
     }
 }
 

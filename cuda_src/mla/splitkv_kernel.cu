@@ -12,8 +12,15 @@
 //
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
+//
+// Every value read from the caller's integer arrays is checked before it is used as an index:
+// a request whose length is outside [0, 64 * block_table columns] or that uses a block id outside
+// the cache reads nothing past its arrays (block 0 stands in for a bad id) and gets NaN in its
+// out / lse rows; the first such value goes to the error record (common/error.cuh). Bad
+// scheduler metadata is skipped the same way.
 #include <cute/tensor.hpp>
 
+#include "common/error.cuh"
 #include "common/pdl.cuh"
 #include "common/sync.cuh"
 #include "common/tma.cuh"
@@ -35,29 +42,36 @@ __device__ __forceinline__ int causal_mask_len(const SplitKVParams& p, int m_blo
     return q_row < p.q_rows ? p.s_q - 1 - q_row / p.heads_per_kv : 0;
 }
 
+// Pages holding `tokens` tokens (tokens >= 0; no overflow at 2^31 - 1).
+__device__ __forceinline__ int pages_of(int tokens) {
+    return tokens / kPageBlock + (tokens % kPageBlock != 0);
+}
+
 // The pages [first_page, end_page) of request `req` that a CTA reads, given its scheduler range
 // {begin_req, begin_token, end_req, end_token}; `whole`: the range covers the whole request (its
 // output is final, else a split for the combine kernel). Causal: pages no row of the block sees
-// are dropped.
+// are dropped. `bad`: the request's length is outside [0, 64 * block_table columns]; it then
+// reads nothing. The range never extends past the request's length, whatever the metadata says.
 struct RequestSpan {
     int seqlen, first_page, end_page;
-    bool whole;
+    bool whole, bad;
 };
 
 __device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int m_block, int req, int4 range) {
     RequestSpan r;
-    r.seqlen = p.seqlens[req];
-    const int seq_pages = (r.seqlen + kPageBlock - 1) / kPageBlock;
-    r.first_page = req == range.x ? range.y / kPageBlock : 0;
-    r.end_page = req == range.z ? (range.w + kPageBlock - 1) / kPageBlock : seq_pages;
+    const int seqlen = p.seqlens[req];
+    r.bad = seqlen < 0 || seqlen > (long long)p.max_blocks_per_seq * kPageBlock;
+    r.seqlen = r.bad ? 0 : seqlen;
+    const int seq_pages = pages_of(r.seqlen);
+    r.first_page = req == range.x ? max(range.y, 0) / kPageBlock : 0;
+    r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), seq_pages) : seq_pages;
     r.whole = r.first_page == 0 && r.end_page == seq_pages;
     if (p.causal) {
         // The last row has the shortest mask; pages past its limit are skipped and rows with
         // longer masks are cut by RowState::right_border (rows of one block differ by < 64
         // tokens, so only the last two pages need masking).
         const int common_mask = causal_mask_len(p, m_block, kBlockM - 1);
-        const int visible_end = req == range.z ? min(range.w, r.seqlen - common_mask) : r.seqlen - common_mask;
-        r.end_page = (visible_end + kPageBlock - 1) / kPageBlock;
+        r.end_page = min(r.end_page, pages_of(max(r.seqlen - common_mask, 0)));
     }
     return r;
 }
@@ -75,6 +89,7 @@ struct SplitKVCta {
     const uint32_t bar_q, bar_kv0, bar_kv1;
     // current request
     const int* block_table = nullptr;
+    int req = 0;
     int seqlen = 0;
     int end_page = 0;
 
@@ -85,6 +100,16 @@ struct SplitKVCta {
           bar_kv1(smem_u32(&storage.bar_kv[1][0])) {}
 
     __device__ __forceinline__ Element* page_buf(int buf) const { return st.kv[buf]; }
+
+    // Block id of page `page` of request `request` (block-table row `table`). An id outside the
+    // cache flags the request (NaN output, error record) and block 0 is loaded in its place.
+    __device__ __forceinline__ int block_id(const int* table, int request, int page) const {
+        const int id = table[page];
+        if (static_cast<unsigned>(id) < static_cast<unsigned>(p.num_blocks)) return id;
+        st.bad_request[request & 1] = 1;
+        report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, request, page, id, p.num_blocks);
+        return 0;
+    }
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
     // Issued by one thread: all of Q for `req` (9 tiles) on bar_q.
@@ -114,9 +139,9 @@ struct SplitKVCta {
     __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r) const {
         if (r.first_page >= r.end_page) return;
         const int* table = p.block_table + req * p.block_table_stride;
-        load_page_tiles<0, kTilesK>(0, table[r.first_page]);
+        load_page_tiles<0, kTilesK>(0, block_id(table, req, r.first_page));
         if (r.first_page + 1 < r.end_page) {
-            const int next = table[r.first_page + 1];
+            const int next = block_id(table, req, r.first_page + 1);
             load_page_tiles<4, kTilesK>(1, next);
             load_page_tiles<0, 4>(1, next);
         }
@@ -157,7 +182,7 @@ struct SplitKVCta {
 
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
         if constexpr (!kLast0 && !kLast1) {
-            if (idx == 0) load_page_tiles<0, 4>(0, block_table[page + 2]);   // V0_L consumed
+            if (idx == 0) load_page_tiles<0, 4>(0, block_id(block_table, req, page + 2));   // V0_L consumed
         }
         wg0_rescale_p(s, pb, st.scale1, idx);
         store_p<T>(pb, st.p0, idx);
@@ -175,7 +200,7 @@ struct SplitKVCta {
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
-                if (idx == 0) load_page_tiles<0, 4>(1, block_table[page + 3]);
+                if (idx == 0) load_page_tiles<0, 4>(1, block_id(block_table, req, page + 3));
             }
             qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             phase0 ^= 1;
@@ -211,11 +236,11 @@ struct SplitKVCta {
 
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             warpgroup_wait<1>();                                  // P1 V1_R done: V1_R free
-            if (idx == 0) load_page_tiles<4, kTilesK>(1, block_table[page + 3]);
+            if (idx == 0) load_page_tiles<4, kTilesK>(1, block_id(block_table, req, page + 3));
         }
         if constexpr (!kLast0 && !kLast1) {
             warpgroup_wait<0>();                                  // P0 V0_R done: V0_R free
-            if (idx == 0) load_page_tiles<4, kTilesK>(0, block_table[page + 2]);
+            if (idx == 0) load_page_tiles<4, kTilesK>(0, block_id(block_table, req, page + 2));
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             qk_tiles<T, 4, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
@@ -266,13 +291,14 @@ struct SplitKVCta {
 };
 
 template <typename Element>
-__global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
+__global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
     using T = SplitKVTraits<Element>;
     extern __shared__ __align__(1024) unsigned char smem[];
     auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);
     SplitKVCta<T> cta(p, st);
 
     if (threadIdx.x == 0) {
+        st.bad_request[0] = st.bad_request[1] = 0;
         tma_prefetch_descriptor(&p.tma_q);
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(cta.bar_q, 1);
@@ -288,8 +314,12 @@ __global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_consta
     pdl_wait_for_producers();
     const int* meta = p.sched_meta + blockIdx.z * kSchedMetaInts;
     const int4 range = *reinterpret_cast<const int4*>(meta);   // begin_req, begin_token, end_req, end_token
-    const int begin_req = range.x, end_req = range.z;
-    if (begin_req >= p.batch) return;
+    const int begin_req = range.x, end_req = min(range.z, p.batch - 1);
+    if (begin_req >= p.batch) return;                          // an idle part
+    if (begin_req < 0) {
+        if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, begin_req, 0, begin_req, p.batch);
+        return;
+    }
     const int begin_split = meta[4];
 
     uint32_t phase_q = 0, phase0 = 0, phase1 = 0;
@@ -310,7 +340,11 @@ __global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_consta
                                                      span.end_page * kPageBlock)
                                                : span.seqlen;
         }
+        if (span.bad && threadIdx.x == 0) {
+            report_error(p.error, FLASHMLA_ERROR_SEQLEN_RANGE, req, 0, p.seqlens[req], p.max_blocks_per_seq);
+        }
         cta.block_table = p.block_table + req * p.block_table_stride;
+        cta.req = req;
         cta.seqlen = span.seqlen;
         cta.end_page = span.end_page;
 
@@ -333,21 +367,30 @@ __global__ void __launch_bounds__(256, 1) splitkv_mla_kernel(const __grid_consta
         } else {
             pdl_allow_dependents();                             // the combine kernel may start
         }
-        // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
-        float inv_sum[2];
-        CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-            inv_sum[half] = (sums[half] == 0.0f || sums[half] != sums[half]) ? 1.0f : 1.0f / sums[half];
-        }
         OutputTarget out;
         out.batch_idx = req;
         out.kv_head = cta.kv_head;
         out.m_block = cta.m_block;
         out.num_rows = min(p.q_rows - cta.m_block * kBlockM, kBlockM);
         out.split_idx = span.whole ? -1 : p.num_splits[req] + (req == begin_req ? begin_split : 0);
+        out.bad = span.bad || st.bad_request[req & 1];         // set before reduce_row_sums' barrier
+        if (!span.whole && static_cast<unsigned>(out.split_idx) >= static_cast<unsigned>(p.total_splits)) {
+            if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, out.split_idx, p.total_splits);
+            out.num_rows = 0;                                   // nowhere valid to write
+        }
+        // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
+        float inv_sum[2];
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            inv_sum[half] = out.bad ? kNaN
+                          : (sums[half] == 0.0f || sums[half] != sums[half]) ? 1.0f : 1.0f / sums[half];
+        }
         store_o<T>(p, o, inv_sum, out, cta.wg, cta.idx);
         store_lse<T>(p, st, out);
-        if (req != end_req) __syncthreads();                    // row_max and row_sum are reused
+        if (req != end_req) {
+            __syncthreads();                                    // row_max, row_sum, bad_request are reused
+            if (threadIdx.x == 0) st.bad_request[req & 1] = 0;
+        }
     }
 }
 

@@ -15,7 +15,8 @@ struct SplitKVTraits {
     static_assert(cuda::std::is_same_v<Element, cutlass::bfloat16_t> ||
                   cuda::std::is_same_v<Element, cutlass::half_t>, "bf16 or fp16");
 
-    static constexpr int kThreads = 256;   // two warpgroups, each owning half of O's columns
+    static constexpr int kThreads = kSplitKVThreads;   // two warpgroups, each owning half of O's columns
+    static_assert(kThreads == 256, "the seesaw schedule has two warpgroups");
 
     using BlockM = Int<kBlockM>;
     using Page = Int<kPageBlock>;
@@ -64,6 +65,7 @@ struct SplitKVTraits {
         float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step
         float scale1[kBlockM];           // ... by warpgroup 1
         float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
+        int bad_request[2];              // per request parity: a bad block id was seen (NaN output)
         uint64_t bar_kv[2][kTilesK];     // one TMA barrier per 64-column tile of each page buffer
         uint64_t bar_q;
     };

@@ -1,0 +1,32 @@
+"""Constants that Python and the device code share: defined here only, passed to NVRTC as ``-D``.
+
+``cuda_src/mla/config.cuh`` turns each ``FLASHMLA_<NAME>`` define into its ``constexpr`` (and
+refuses to compile without them), so the host's sizes, grids and checks cannot drift from the
+kernels'. The scheduler constants are also the Python model's (``scheduler.py``).
+"""
+from __future__ import annotations
+
+HEAD_DIM_K = 576            # latent (512) + RoPE (64): a K row and a Q row
+HEAD_DIM_V = 512            # V is the first 512 columns of the same cache row
+PAGE_BLOCK_SIZE = 64        # tokens per KV-cache page
+BLOCK_M = 64                # query rows (heads x MTP tokens) per split-KV CTA
+TMA_BOX = 64                # a TMA box is 64 rows x 64 columns (128 bytes of 16-bit values: one swizzle atom)
+SPLITKV_THREADS = 256       # two warpgroups
+COMBINE_WARPS = 8           # one query row per warp
+FIXED_OVERHEAD_BLOCKS = 5   # scheduler: cost of one request piece beyond its pages, in pages
+SCHED_META_INTS = 8         # ints per SM part in tile_scheduler_metadata
+
+# Codes of the errors that the kernels record (errors.py turns them into messages).
+ERROR_SEQLEN_NEGATIVE = 1   # cache_seqlens[i] < 0 (metadata kernel)
+ERROR_SEQLEN_RANGE = 2      # cache_seqlens[i] outside [0, 64 * block_table columns] (split-KV kernel)
+ERROR_BLOCK_ID = 3          # a block id the call reads is outside [0, num_blocks) (split-KV kernel)
+ERROR_SCHEDULE = 4          # metadata / num_splits inconsistent with this batch (split-KV, combine)
+
+_SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "PAGE_BLOCK_SIZE", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
+           "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "ERROR_SEQLEN_NEGATIVE",
+           "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE")
+
+
+def defines() -> tuple[tuple[str, str], ...]:
+    """``(FLASHMLA_<NAME>, value)`` for every shared constant (NVRTC ``-D`` options)."""
+    return tuple((f"FLASHMLA_{name}", str(globals()[name])) for name in _SHARED)

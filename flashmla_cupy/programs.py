@@ -1,0 +1,58 @@
+"""The registry of NVRTC programs: every kernel the package compiles, in one place.
+
+The MLA host path (``plan``, ``mla``), ``flashmla-cupy compile`` and the profiler all take their
+programs from here. Each program gets the shared constants (``constants.defines``) and the
+host-side struct sizes (``params.layout_defines``), which the device code checks.
+"""
+from __future__ import annotations
+
+from . import constants
+from .compiler import Program
+from .params import layout_defines
+
+DTYPE_TAGS = ("bf16", "fp16")
+_CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
+
+
+def _splitkv_smem_bytes() -> int:
+    """The split-KV kernel's SharedStorage (splitkv_traits.cuh; the compile checks they agree):
+    Q and two pages of 64 x 576 16-bit values, P0 (64 x 64), five 64-float row vectors, two
+    bad-request flags, 19 mbarriers, padded to 1024 bytes."""
+    tile = constants.BLOCK_M * constants.TMA_BOX * 2
+    tiles_k = constants.HEAD_DIM_K // constants.TMA_BOX
+    size = 3 * tiles_k * tile + tile + 5 * constants.BLOCK_M * 4 + 2 * 4 + (2 * tiles_k + 1) * 8
+    return -(-size // 1024) * 1024
+
+
+SPLITKV_SMEM_BYTES = _splitkv_smem_bytes()
+
+
+def _mla_defines() -> tuple[tuple[str, str], ...]:
+    return constants.defines() + layout_defines()
+
+
+def splitkv_program(tag: str) -> Program:
+    return Program(f"splitkv_mla<{tag}>", "mla/splitkv_kernel.cu",
+                   (f"flashmla::splitkv_mla_kernel<{_CTYPES[tag]}>",),
+                   _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
+
+
+def combine_program(tag: str) -> Program:
+    return Program(f"mla_combine<{tag}>", "mla/combine_kernel.cu",
+                   (f"flashmla::mla_combine_kernel<{_CTYPES[tag]}>",), _mla_defines())
+
+
+def metadata_program() -> Program:
+    return Program("mla_metadata", "mla/metadata_kernel.cu", ("flashmla::mla_metadata_kernel",),
+                   _mla_defines())
+
+
+def mla_programs() -> list[Program]:
+    return [*(splitkv_program(t) for t in DTYPE_TAGS), *(combine_program(t) for t in DTYPE_TAGS),
+            metadata_program()]
+
+
+def all_programs() -> list[Program]:
+    """Every program of the package (``flashmla-cupy compile`` builds these)."""
+    from . import attention
+    return mla_programs() + attention.all_programs()
