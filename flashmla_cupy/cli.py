@@ -96,9 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip measuring the copy and matmul ceilings")
     t.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     o = pr.add_argument_group("comparison and output")
-    o.add_argument("--baseline", choices=("cupy", "none"), default="none",
-                   help="MLA: also time the plain CuPy implementation (flashmla_cupy.baselines) and show "
-                        "the speed-up; attention always compares with manual attention")
+    o.add_argument("--baseline", choices=("flash_mla", "cupy", "none"), default="none",
+                   help="MLA: also time FlashMLA's own call (flash_mla, when importable: the seed's or "
+                        "upstream's API) or the plain CuPy implementation (flashmla_cupy.baselines) on the "
+                        "same buffers and show the speed-up; attention always compares with manual attention")
+    o.add_argument("--inputs", choices=("cupy", "torch"), default="cupy",
+                   help="MLA: call flashmla-cupy on CuPy arrays (flash_mla_with_kvcache) or on torch tensors "
+                        "through the drop-in flashmla_cupy.flash_mla (default cupy)")
+    o.add_argument("--value-checks", dest="value_checks", choices=("async", "sync", "off"), default=None,
+                   help="MLA: value check mode during the run (default: the library's, async unless "
+                        "FLASHMLA_CUPY_VALUE_CHECKS says otherwise)")
     o.add_argument("--check", action="store_true",
                    help="error against the float64 reference (cos_diff, max |error|) for every target")
     o.add_argument("--csv", metavar="PATH", help="write every number (seed columns name,batch,seqlen,head,bw first)")
@@ -192,8 +199,12 @@ def cmd_profile(args) -> int:
         shape_list = _mla_shapes(args) if kind == "mla" else _attention_shapes(args)
     except ValueError as e:
         raise _fail("profile", str(e)) from None
+    from .errors import set_value_checks, value_check_mode
+
+    if args.value_checks:
+        set_value_checks(args.value_checks)
     if kind == "mla":
-        main_t = targets.MAIN_MLA_TARGET
+        main_t = targets.MAIN_MLA_TARGETS[args.inputs]
         baseline = None if args.baseline == "none" else args.baseline
     else:
         main_t, baseline = targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
@@ -201,7 +212,8 @@ def cmd_profile(args) -> int:
     config = runner.RunConfig(targets=names, baseline=baseline, repeats=args.repeats, warmup=args.warmup,
                               budget_s=args.budget, graph=args.graph, flush=args.flush, check=args.check,
                               seed=args.seed, device=args.device, measure_ceilings=args.ceilings,
-                              matmul_dtype="bf16" if kind == "mla" else "fp32")
+                              matmul_dtype="bf16" if kind == "mla" else "fp32", inputs=args.inputs,
+                              value_checks=value_check_mode())
     try:
         gpu = runner.require_device(config, need_hopper=(kind == "mla"))
     except NoGPU as e:
@@ -311,10 +323,7 @@ def cmd_compile(args) -> int:
         arch, source = args.arch, "--arch"
     else:
         arch, source = build.default_arch()
-    found = build.collect_programs()
-    for note in found.notes:
-        err.print(f"[yellow]{note}[/]", highlight=False)
-    programs = build.filter_programs(found.programs, args.only)
+    programs = build.filter_programs(build.collect_programs(), args.only)
     if args.list:
         t = Table(title=f"kernel programs ({arch}, {source})", header_style="bold")
         for c in ("program", "source", "kernels", "cached"):

@@ -229,7 +229,8 @@ class Program:
 
 @dataclass(frozen=True)
 class KernelResources:
-    """ptxas's report for one kernel."""
+    """One kernel's registers and stack frame (from the cubin) and spills (from ptxas's report in
+    the compile log; -1 where the log has none: a stack frame of 0 bytes still rules spills out)."""
     registers: int = -1
     stack_bytes: int = -1
     spill_stores: int = -1
@@ -251,6 +252,22 @@ class Cubin:
     from_cache: bool = False
     path: Path | None = None
     resources: dict[str, KernelResources] = field(default_factory=dict)
+
+
+def kernel_resources(image: bytes, log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
+    """Per kernel (keyed by name expression): registers and stack from the cubin, spills from
+    the log's ptxas report when it has one."""
+    from .cubin_info import kernel_resources as from_cubin
+
+    reported = parse_ptxas_report(log, lowered)
+    in_cubin = from_cubin(image)
+    out = {}
+    for expr, mangled in lowered.items():
+        r, c = reported[expr], in_cubin.get(mangled, {})
+        out[expr] = KernelResources(registers=c.get("registers", r.registers),
+                                    stack_bytes=c.get("stack_bytes", r.stack_bytes),
+                                    spill_stores=r.spill_stores, spill_loads=r.spill_loads)
+    return out
 
 
 def parse_ptxas_report(log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
@@ -298,7 +315,7 @@ def compile_program(program: Program, arch: str = DEFAULT_ARCH) -> Cubin:
         nvrtc.destroyProgram(prog)
     seconds = time.perf_counter() - t0
     return Cubin(program, arch, image, lowered, log, seconds,
-                 resources=parse_ptxas_report(log, lowered))
+                 resources=kernel_resources(image, log, lowered))
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +370,7 @@ def _load_entry(program: Program, arch: str, path: Path) -> Cubin | None:
     if set(lowered) != set(program.kernels):
         return None
     return Cubin(program, arch, image, lowered, header["log"], header["compile_seconds"],
-                 from_cache=True, path=path, resources=parse_ptxas_report(header["log"], lowered))
+                 from_cache=True, path=path, resources=kernel_resources(image, header["log"], lowered))
 
 
 def _store_entry(c: Cubin, path: Path) -> None:

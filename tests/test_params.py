@@ -59,3 +59,30 @@ def test_device_sizes_are_padded_for_tensor_maps():
     assert params.device_sizeof(params.MetadataParams) == ctypes.sizeof(params.MetadataParams)
     defines = dict(params.layout_defines())
     assert defines["FLASHMLA_SPLITKV_PARAMS_BYTES"] == str(size)
+
+
+# --- constants shared with the device code (flashmla_cupy/constants.py) ------------------------
+
+def test_every_mla_program_gets_every_shared_constant():
+    from flashmla_cupy import constants, programs
+    shared = dict(constants.defines())
+    assert shared["FLASHMLA_HEAD_DIM_K"] == "576" and shared["FLASHMLA_COMBINE_WARPS"] == "8"
+    for program in programs.mla_programs():
+        defines = dict(program.defines)
+        assert {k: defines.get(k) for k in shared} == shared, program.name
+
+
+def test_device_code_takes_shared_constants_from_the_defines_only():
+    """config.cuh defines each constant from its FLASHMLA_* macro (and refuses to compile without
+    them); no MLA source spells one of the shared sizes as a literal constexpr of its own."""
+    import re
+
+    from flashmla_cupy import constants
+    config = (compiler.source_dir() / "mla" / "config.cuh").read_text()
+    for name, _ in constants.defines():
+        if not name.startswith("FLASHMLA_ERROR_"):
+            assert re.search(rf"constexpr int k\w+ = {name};", config), f"config.cuh does not use {name}"
+    assert "#error" in config and "FLASHMLA_HEAD_DIM_K" in config
+    for path in (compiler.source_dir() / "mla").glob("*.cu*"):
+        text = path.read_text()
+        assert not re.search(r"constexpr int k\w+ = (576|512|64|256|8);", text), f"{path.name} redefines a shared constant"

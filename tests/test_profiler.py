@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import random
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -471,6 +472,54 @@ def test_header_lines_name_the_method():
         assert words in dict(report.header_lines(fake_env, method, kind="mla", seed=0))["Method"]
 
 
+def test_method_names_the_default_call_its_inputs_and_value_check_mode():
+    for inputs, mode, words in (("cupy", "async", "CuPy arrays"), ("torch", "sync", "torch tensors")):
+        config = runner.RunConfig(targets=[targets.MAIN_MLA_TARGETS[inputs]], inputs=inputs, value_checks=mode)
+        method = runner.method_description(config, 50 << 20, "mla")
+        assert "default call" in method["timed"] and words in method["timed"] and f"'{mode}'" in method["timed"]
+        assert (method["inputs"], method["value_checks"]) == (inputs, mode)
+
+
+def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name == "flash_mla":
+            raise ImportError(f"No module named '{name}'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.delitem(sys.modules, "flash_mla", raising=False)
+    for name in ("flashmla_torch", "flash_mla"):
+        why = targets.MLA_TARGETS[name].requires()
+        assert why and "torch is not importable" in why, why
+
+
+@pytest.mark.parametrize("argv, main, baseline", [
+    ([], "flashmla", None),
+    (["--inputs", "torch"], "flashmla_torch", None),
+    (["--baseline", "flash_mla"], "flashmla", "flash_mla"),
+    (["--inputs", "torch", "--baseline", "flash_mla", "--value-checks", "off"], "flashmla_torch", "flash_mla"),
+])
+def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseline):
+    from flashmla_cupy import errors
+    seen = {}
+
+    def stop(config, need_hopper):
+        seen["config"] = config
+        raise env.NoGPU("stand-in: stop after parsing")
+
+    monkeypatch.setattr(runner, "require_device", stop)
+    monkeypatch.setattr(errors, "_mode", errors.value_check_mode())     # restored after the test
+    with pytest.raises(SystemExit):
+        cli.main(["profile", "--quick", *argv])
+    config = seen["config"]
+    assert config.targets == [main] + ([baseline] if baseline else []) and config.baseline == baseline
+    assert config.value_checks == ("off" if "off" in argv else "async")
+
+
 # --------------------------------------------------------------------------------------------
 # The command line without a GPU
 # --------------------------------------------------------------------------------------------
@@ -576,13 +625,15 @@ def test_bad_arguments_exit_2():
         assert excinfo.value.code == 2
 
 
-def test_compile_collects_programs_and_reports_missing_modules(monkeypatch):
-    found = build.collect_programs(("mla", "no_such_module"))
-    assert any("no_such_module" in n for n in found.notes)
-    names = [p.name for p in found.programs]
+def test_compile_takes_every_program_from_the_registry():
+    from flashmla_cupy import programs
+    found = build.collect_programs()
+    names = [p.name for p in found]
     assert names and len(set(names)) == len(names)
-    assert build.filter_programs(found.programs, ["metadata"]) == \
-        [p for p in found.programs if "metadata" in p.name]
+    assert found == programs.all_programs()
+    assert build.collect_programs("mla") == programs.mla_programs()
+    assert all("attn" in p.name for p in build.collect_programs("attention"))
+    assert build.filter_programs(found, ["metadata"]) == [p for p in found if "metadata" in p.name]
     assert build.short_kernel_name("flashmla::mla_combine_kernel<cutlass::bfloat16_t>") == \
         "mla_combine_kernel<bfloat16_t>"
 
@@ -657,6 +708,25 @@ def test_baseline_on_the_gpu_matches_the_reference():
                                             causal=True)
     assert isinstance(out, cupy.ndarray)
     assert reference.cos_diff(out, ref_out) < 1e-5 and reference.cos_diff(lse, ref_lse) < 1e-5
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("argv", [["--inputs", "torch"], ["--baseline", "flash_mla"]], ids=["torch", "flash_mla"])
+def test_profile_torch_inputs_and_flash_mla_baseline_on_hopper(tmp_path, argv):
+    if targets.MLA_TARGETS[argv[1] if argv[0] == "--baseline" else "flashmla_torch"].requires():
+        pytest.skip(targets.MLA_TARGETS[argv[1] if argv[0] == "--baseline" else "flashmla_torch"].requires())
+    path = tmp_path / "q.json"
+    rc = cli.main(["profile", "--heads", "64", "--seqlens", "1024", "--s-q", "2", "--varlen", "off",
+                   "--batch", "4", "--repeats", "10", "--check", "--json", str(path), *argv])
+    data = json.loads(path.read_text())
+    names = {r["name"] for r in data["records"]}
+    assert all("error" not in r and r["check_ok"] for r in data["records"]), data["records"]
+    if argv[0] == "--baseline":
+        assert names == {"flashmla", "flash_mla"}
+        assert all(r["speedup_vs"] == "flash_mla" for r in data["records"] if r["name"] == "flashmla")
+    else:
+        assert names == {"flashmla_torch"}
+    assert rc == 0
 
 
 @pytest.mark.hopper

@@ -1,42 +1,23 @@
 """The ``compile`` subcommand: build (or find cached) cubins for every kernel program.
 
-Programs come from each kernel module's ``all_programs()`` (``flashmla_cupy.mla``,
-``flashmla_cupy.attention``), imported lazily: a module that is missing or has no such function is
-reported and skipped. Missing cubins compile in parallel processes (``compiler.build_many``);
-each program's row gives ptxas's register / stack / spill report per kernel, the cold compile time
-(recorded in the cache entry when it was built) and whether this run hit the cache.
-Needs no GPU when ``arch`` is given.
+Programs come from the registry (``flashmla_cupy.programs``). Missing cubins compile in parallel
+processes (``compiler.build_many``); each program's row gives ptxas's register / stack / spill
+report per kernel, the cold compile time (recorded in the cache entry when it was built) and
+whether this run hit the cache. Needs no GPU when ``arch`` is given.
 """
 from __future__ import annotations
 
-import importlib
 import time
-from dataclasses import dataclass, field
-
-KERNEL_MODULES = ("mla", "attention")
 
 
-@dataclass
-class ProgramSet:
-    programs: list = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def collect_programs(modules=KERNEL_MODULES) -> ProgramSet:
-    found = ProgramSet()
-    for name in modules:
-        try:
-            mod = importlib.import_module(f"flashmla_cupy.{name}")
-        except Exception as e:  # noqa: BLE001 - a module being written, or failing to import
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            found.notes.append(f"flashmla_cupy.{name}: not available ({type(e).__name__}: {first})")
-            continue
-        fn = getattr(mod, "all_programs", None)
-        if fn is not None:
-            found.programs.extend(fn())
-        else:
-            found.notes.append(f"flashmla_cupy.{name}: has no all_programs(); skipped")
-    return found
+def collect_programs(kind: str | None = None) -> list:
+    """Every program (``kind`` "mla": the MLA ones; "attention": the minimal FlashAttention's)."""
+    from .. import attention, programs
+    if kind == "mla":
+        return programs.mla_programs()
+    if kind == "attention":
+        return attention.all_programs()
+    return programs.all_programs()
 
 
 def default_arch(device: int = 0) -> tuple[str, str]:
@@ -91,7 +72,7 @@ def short_kernel_name(expr: str) -> str:
 def resources_table(cubins: list, arch: str):
     from rich.table import Table
 
-    t = Table(title=f"kernels for {arch} (ptxas report)", header_style="bold")
+    t = Table(title=f"kernels for {arch} (registers and stack from the cubin, spills from ptxas)", header_style="bold")
     t.add_column("kernel", overflow="fold", ratio=1)
     for name in ("regs", "stack B", "spill st/ld B", "KiB", "cold s"):
         t.add_column(name, justify="right", no_wrap=True)
@@ -101,7 +82,10 @@ def resources_table(cubins: list, arch: str):
             r = c.resources.get(expr)
             known = r is not None and r.registers >= 0
             spills = known and (r.spill_stores > 0 or r.spill_loads > 0)
-            spill_text = f"{r.spill_stores}/{r.spill_loads}" if known else "?"
+            # No ptxas report in the log (NVRTC does not always return one): the cubin's stack
+            # frame still tells, since spills live there.
+            spill_text = (f"{r.spill_stores}/{r.spill_loads}" if known and r.spill_stores >= 0
+                          else "none (0 B stack)" if known and r.stack_bytes == 0 else "?")
             t.add_row(short_kernel_name(expr),
                       str(r.registers) if known else "?", str(r.stack_bytes) if known else "?",
                       f"[yellow]{spill_text}[/]" if spills else spill_text,
@@ -129,7 +113,7 @@ def records(cubins: list) -> list[dict]:
 def prebuild(module: str, console, *, arch: str, dtype_tag: str | None = None) -> None:
     """Before a profile: build the kernels it will launch, with our own progress display (the
     compiler's own status line would collide with the profile's progress bar)."""
-    progs = collect_programs((module,)).programs
+    progs = collect_programs(module)
     if dtype_tag:
         progs = [p for p in progs if "<" not in p.name or f"<{dtype_tag}>" in p.name]
     if not progs:

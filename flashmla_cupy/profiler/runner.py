@@ -6,6 +6,7 @@ the loop and keeps what was measured.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -37,6 +38,8 @@ class RunConfig:
     device: int = 0
     measure_ceilings: bool = True
     matmul_dtype: str = "bf16"          # the matmul ceiling's dtype: bf16 (MLA) or fp32 (attention)
+    inputs: str = "cupy"                # MLA: the main target's arrays, cupy or torch (targets.MAIN_MLA_TARGETS)
+    value_checks: str = "async"         # MLA: the library's value check mode during the run
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,8 +56,9 @@ class RunResult:
 
 
 def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
-    what = ("whole call: split-KV + combine kernels (host value checks off); metadata computed once "
-            "beforehand"
+    inputs = "torch tensors through flashmla_cupy.flash_mla" if config.inputs == "torch" else "CuPy arrays"
+    what = (f"the default call as users make it ({inputs}; outputs allocated by the call; value checks "
+            f"'{config.value_checks}'): split-KV + combine kernels; metadata computed once beforehand"
             if kind == "mla" else "whole call of each implementation (outputs allocated inside)")
     timing = ("CUDA events around each replay of a CUDA graph captured from one call"
               if config.graph else "CUDA events around each call, runs enqueued back to back")
@@ -67,6 +71,7 @@ def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
         "repeats": config.repeats,
         "budget_s_per_target": config.budget_s,
         "statistic": "median; spread p10-p90 (quartiles in the exports)",
+        **({"inputs": config.inputs, "value_checks": config.value_checks} if kind == "mla" else {}),
     }
 
 
@@ -293,7 +298,8 @@ def _measure_target(t: Target, inp, ref, work: Workload, dev, c: ceil_mod.Ceilin
         if ref is not None:
             rec.update(work.compare(prep.result, ref))
         prep.result = None
-        stats = summarize(dev.time(prep.run)).as_dict()
+        with prep.on_stream(dev.stream) if prep.on_stream else contextlib.nullcontext():
+            stats = summarize(dev.time(prep.run)).as_dict()
         rec.update(stats)
         rec.update(_rate_fields(stats["ms_median"], flops, nbytes, c))
         if prep.notes:

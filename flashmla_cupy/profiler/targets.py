@@ -10,6 +10,8 @@ attention targets take ``inputs.AttentionInputs`` and return ``out [B, H, N, d]`
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +21,9 @@ class Prepared:
     run: Callable[[], Any]          # the timed call
     result: Any = None              # one call's output, made in setup (all checks on)
     notes: list[str] = field(default_factory=list)
+    # A context manager factory ``(cupy stream) -> context`` that makes the target's library
+    # launch on the profiler's stream while it is timed (torch: its current stream); None: CuPy's.
+    on_stream: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -46,25 +51,92 @@ def _requires_flashmla() -> str | None:
     return None
 
 
-def _no_value_checks():
-    """The public API's host-side value checks synchronize; keep them out of the timed calls."""
-    from ..checks import value_checks
-    return value_checks(False)
-
-
 def setup_flashmla(inp) -> Prepared:
+    """The call users make: default arguments (outputs allocated by the call, value checks in
+    their current mode), on CuPy arrays."""
     from .. import mla
 
     s = inp.shape
     meta, splits = mla.get_mla_metadata(inp.cache_seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
     args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, s.dv, meta, splits)
-    first = mla.flash_mla_with_kvcache(*args, causal=s.causal)
 
     def run():
-        with _no_value_checks():
-            return mla.flash_mla_with_kvcache(*args, causal=s.causal)
+        return mla.flash_mla_with_kvcache(*args, causal=s.causal)
 
-    return Prepared(run, first)
+    return Prepared(run, run())
+
+
+def _requires_torch() -> str | None:
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"torch is not importable ({_first_line(e)})"
+    if not torch.cuda.is_available():
+        return "torch has no CUDA device"
+    return None
+
+
+def _torch_inputs(inp):
+    import torch
+    return tuple(torch.from_dlpack(x) for x in (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens))
+
+
+def _torch_on_stream(stream):
+    import torch
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+
+
+def _as_cupy(result):
+    import cupy
+    return tuple(cupy.from_dlpack(x) for x in result)
+
+
+def setup_flashmla_torch(inp) -> Prepared:
+    """The call torch users make: ``flashmla_cupy.flash_mla`` (FlashMLA's signatures) on torch
+    tensors, on torch's current stream."""
+    from .. import flash_mla
+
+    s = inp.shape
+    q, k_cache, block_table, seqlens = _torch_inputs(inp)
+    meta, splits = flash_mla.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
+
+    def run():
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
+
+    return Prepared(run, _as_cupy(run()), on_stream=_torch_on_stream)
+
+
+def _requires_real_flash_mla() -> str | None:
+    why = _requires_torch()
+    if why:
+        return why
+    try:
+        importlib.import_module("flash_mla")
+    except Exception as e:  # noqa: BLE001
+        return f"FlashMLA (the flash_mla package) is not importable here ({_first_line(e)})"
+    return None
+
+
+def setup_real_flash_mla(inp) -> Prepared:
+    """FlashMLA's own call on the same buffers (torch tensors): the seed's API
+    ``get_mla_metadata(seqlens, s_q*h_q//h_kv, h_kv)``, or upstream's newer one whose
+    ``get_mla_metadata()`` takes no arguments and whose kernel call takes ``num_splits=None``."""
+    fm = importlib.import_module("flash_mla")
+    s = inp.shape
+    q, k_cache, block_table, seqlens = _torch_inputs(inp)
+    params = inspect.signature(fm.get_mla_metadata).parameters.values()
+    if any(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+           for p in params):
+        meta, splits = fm.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
+        api = "seed API"
+    else:
+        meta, splits = fm.get_mla_metadata()[0], None
+        api = "upstream API"
+
+    def run():
+        return fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
+
+    return Prepared(run, _as_cupy(run()), notes=[api], on_stream=_torch_on_stream)
 
 
 def _requires_cublas() -> str | None:
@@ -87,12 +159,18 @@ def setup_cupy_baseline(inp) -> Prepared:
 
 
 MLA_TARGETS: dict[str, Target] = {
-    "flashmla": Target("flashmla", "flash_mla_with_kvcache: split-KV + combine kernels (PDL); "
-                                   "metadata computed once beforehand", setup_flashmla, _requires_flashmla),
+    "flashmla": Target("flashmla", "flash_mla_with_kvcache as users call it (CuPy arrays, default arguments): "
+                                   "split-KV + combine kernels (PDL); metadata computed once beforehand",
+                       setup_flashmla, _requires_flashmla),
+    "flashmla_torch": Target("flashmla_torch", "flashmla_cupy.flash_mla.flash_mla_with_kvcache on torch tensors "
+                                               "(the drop-in, torch's current stream)",
+                             setup_flashmla_torch, _requires_torch),
+    "flash_mla": Target("flash_mla", "FlashMLA's own flash_mla_with_kvcache (nvcc build) on the same buffers",
+                        setup_real_flash_mla, _requires_real_flash_mla),
     "cupy": Target("cupy", "plain CuPy paged MLA (gather pages, float32 cuBLAS matmuls, softmax): "
                            "the seed benchmark's torch target", setup_cupy_baseline, _requires_cublas),
 }
-MAIN_MLA_TARGET = "flashmla"
+MAIN_MLA_TARGETS = {"cupy": "flashmla", "torch": "flashmla_torch"}     # by --inputs
 
 
 # --------------------------------------------------------------------------------------------
