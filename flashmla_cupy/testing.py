@@ -146,3 +146,64 @@ def check_against_reference(inp: MLACase, out, lse, causal: bool, dtype: str, so
     return {"max_abs_out": reference.max_abs_error(out64, ref_out),
             "max_abs_lse": reference.max_abs_error(lse64, ref_lse), "cos_diff_out": cos_out,
             "cos_diff_lse": cos_lse}
+
+
+# --- bad values (tests/test_values.py, tools/check_mla.py --set bad-values) ----------------------
+
+@dataclass(frozen=True)
+class BadValue:
+    """One wrong value written into a request's ``cache_seqlens`` entry or block-table entry."""
+    argument: str                 # "cache_seqlens" or "block_table"
+    request: int
+    value: int
+    column: int = 0               # block_table only
+
+    @property
+    def message(self) -> str:
+        """How the error names it (the start of the ValueError's message)."""
+        if self.argument == "cache_seqlens":
+            return f"cache_seqlens[{self.request}] must be in [0, "
+        return f"block_table[{self.request}, {self.column}] must be a block of k_cache"
+
+    def describe(self) -> str:
+        where = f"[{self.request}]" if self.argument == "cache_seqlens" else f"[{self.request}, {self.column}]"
+        return f"{self.argument}{where} = {self.value}"
+
+
+def bad_values(inp: MLACase, request: int, causal: bool) -> list[BadValue]:
+    """Lengths outside [0, 64 * columns] and block ids outside the cache, for one request: every
+    kind of int32 the kernels must survive (negative, just past the bound, huge, the extremes).
+    Block ids go into the request's first page and, without a causal mask, its last."""
+    capacity = inp.block_table.shape[1] * PAGE
+    num_blocks = inp.k_cache.shape[0]
+    pages = -(-int(inp.seqlens[request]) // PAGE)
+    columns = [0] + ([pages - 1] if not causal and pages > 1 else [])
+    out = [BadValue("cache_seqlens", request, v) for v in (-1, -2**31, capacity + 1, 2**30, 2**31 - 1)]
+    out += [BadValue("block_table", request, v, c) for c in columns for v in (-1, num_blocks, 2**31 - 1, -2**31)]
+    return out
+
+
+def apply_bad_value(inp: MLACase, bad: BadValue) -> None:
+    """Write the bad value into the case's GPU arrays (``inp.seqlens`` keeps the good lengths)."""
+    if bad.argument == "cache_seqlens":
+        inp.cache_seqlens[bad.request] = bad.value
+    else:
+        inp.block_table[bad.request, bad.column] = bad.value
+
+
+def check_bad_value_result(inp: MLACase, bad: BadValue, out, lse, causal: bool, dtype: str) -> None:
+    """The bad request's out rows and lse entries are all NaN; every other request matches the
+    float64 reference (computed from the good values)."""
+    xp = cupy.get_array_module(out)
+    i = bad.request
+    assert bool(xp.isnan(out[i].astype(np.float32)).all()), f"{bad.describe()}: out[{i}] is not all NaN"
+    assert bool(xp.isnan(lse[i]).all()), f"{bad.describe()}: lse[{i}] is not all NaN"
+    good = np.array([j for j in range(len(inp.seqlens)) if j != i])
+    if good.size == 0:
+        return
+    table = inp.block_table.copy()
+    if bad.argument == "block_table":      # the reference must not see the bad id (in a column it reads)
+        table[i, bad.column] = 0
+    sub = dataclasses.replace(inp, q=inp.q[good], block_table=table[good], seqlens=inp.seqlens[good],
+                              cache_seqlens=xp.asarray(inp.seqlens[good]))
+    check_against_reference(sub, out[good], lse[good], causal, dtype)

@@ -8,8 +8,8 @@ what was given).
 On the CPU the calls get CuPy array headers over made-up device memory (tests/fake_arrays.py) and
 a fake Hopper GPU (``FakeGPU``): CuPy's current device and stream, the device properties, the
 memory type behind a pointer and ``cupy.asnumpy`` (which serves the NumPy values the test prepared)
-are monkeypatched, and so is the launch layer, which records what would be launched: every row
-also asserts that nothing was. On a Hopper GPU the rows that need no fake run on real arrays,
+are monkeypatched, and so are the launch layer, which records what would be launched (every row
+also asserts that nothing was), and the error record (``errors.record``: no pinned memory). On a Hopper GPU the rows that need no fake run on real arrays,
 floating ones (the ``out`` and ``lse`` buffers among them) poisoned with NaN, and assert that no
 argument's bits changed.
 """
@@ -31,7 +31,7 @@ import pytest
 
 import flashmla_cupy
 from fake_arrays import A100, FAKE_ADDRESS, FAKE_SPAN, H100, HostCudaArrayInterface, HostDLPack, fake_array
-from flashmla_cupy import attention, checks, compiler, launch, mla, scheduler
+from flashmla_cupy import attention, checks, compiler, constants, driver, errors, launch, mla, scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 B, S_Q, H_Q, H_KV, NUM_BLOCKS = 2, 1, 16, 1, 4
@@ -72,7 +72,7 @@ class DeviceArrays:
     """Real arrays on the current GPU: floating ones full of NaN, integer ones zero."""
 
     def __init__(self):
-        self.sm_count = launch.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
+        self.sm_count = driver.device_properties(cupy.cuda.runtime.getDevice())["sm_count"]
 
     def empty(self, shape, dtype, step=1, offset=0):
         """Like ``FakeArrays.empty``: the last axis ``step`` elements apart, ``offset`` elements
@@ -119,7 +119,6 @@ class Case:
     words: tuple                           # the message starts with words[0] and contains all;
                                            # a callable word is called with the arrays' sm_count
     fn: Callable = MLA
-    values: bool = False                   # value checks on (they are off for the other rows)
     cpu_only: bool = False                 # needs the fake GPU: another device or architecture
     props: dict = field(default_factory=lambda: H100)
 
@@ -134,15 +133,6 @@ def arg(name, make):
 def row(id, name, make, error, *words, **options) -> Case:
     """A case whose argument ``name`` is ``make(arrays)``; its message starts with ``name``."""
     return Case(id, arg(name, make), error, (name, *words), **options)
-
-
-def seqlens_row(id, seqlens, *words, fn=MLA) -> Case:
-    return row(id, "cache_seqlens", lambda a: a.values(np.array(seqlens, I32)), ValueError, *words,
-               fn=fn, values=True)
-
-
-def table_row(id, table, *words) -> Case:
-    return row(id, "block_table", lambda a: a.values(np.array(table, I32)), ValueError, *words, values=True)
 
 
 def q_shape(b=B, s_q=S_Q, h_q=H_Q, d=576):
@@ -222,6 +212,8 @@ CASES = [
         "must be C-contiguous", "strides (8,)"),
     row("k_cache-misaligned", "k_cache", lambda a: a.empty((NUM_BLOCKS, 64, H_KV, 576), BF16, offset=1), ValueError,
         "must start on a 16-byte boundary", "address 0x"),
+    row("q-misaligned", "q", lambda a: a.empty((B, S_Q, H_Q, 576), BF16, offset=1), ValueError,
+        "must start on a 16-byte boundary", "address 0x"),
     # metadata of another batch or head layout
     row("tile_scheduler_metadata-of-128-heads", "tile_scheduler_metadata",
         lambda a: a.empty((scheduler.num_sm_parts(a.sm_count, 128, 1), 8), I32), ValueError,
@@ -249,14 +241,6 @@ CASES = [
         "must have shape (2, 16, 1)", "got (2, 1, 16)"),
     row("lse-bfloat16", "lse", lambda a: a.empty((B, H_Q, S_Q), BF16), TypeError,
         "must have dtype float32", "got bfloat16"),
-    # values in device memory
-    seqlens_row("cache_seqlens-negative", [100, -1], "cache_seqlens[1] must be in [0, 128]", "got -1"),
-    seqlens_row("cache_seqlens-beyond-block_table", [129, 64], "cache_seqlens[0] must be in [0, 128]",
-                "2 pages of 64 tokens", "got 129"),
-    table_row("block_table-id-past-cache", [[0, 1], [4, 3]], "block_table[1, 0] must be a block of k_cache",
-              "0 <= id < 4", "got 4"),
-    table_row("block_table-negative-id", [[0, -1], [2, 3]], "block_table[0, 1] must be a block of k_cache",
-              "got -1"),
     # the device
     Case("mla-on-a100", lambda args, arrays: None, flashmla_cupy.UnsupportedDeviceError,
          ("the current device must be a Hopper GPU", "NVIDIA A100-SXM4-80GB (sm_80)"), cpu_only=True, props=A100),
@@ -278,7 +262,6 @@ CASES = [
         "must be >= 1", "got 0", fn=METADATA),
     row("metadata-num_heads_per_head_k-float", "num_heads_per_head_k", lambda a: 16.0, TypeError,
         "must be an int", "float 16.0", fn=METADATA),
-    seqlens_row("metadata-cache_seqlens-negative", [100, -5], "cache_seqlens[1] must be >= 0", "got -5", fn=METADATA),
     Case("metadata-on-a100", lambda args, arrays: None, flashmla_cupy.UnsupportedDeviceError,
          ("the current device must be a Hopper GPU", "NVIDIA A100-SXM4-80GB (sm_80)"), fn=METADATA, cpu_only=True,
          props=A100),
@@ -346,15 +329,27 @@ class FakeGPU:
         monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
         monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes", self.pointer_attributes)
         monkeypatch.setattr(cupy, "asnumpy", lambda arr: self.arrays.host[id(arr)])
-        monkeypatch.setattr(launch, "device_properties", lambda device_id: self.props)
-        monkeypatch.setattr(launch, "get_kernel", lambda program, name, *args: FakeKernel(self.launches))
+        monkeypatch.setattr(driver, "device_properties", lambda device_id: self.props)
+        monkeypatch.setattr(launch, "get_kernel", lambda program, *args, **kwargs: FakeKernel(self.launches))
+        monkeypatch.setattr(errors, "record", lambda device_id: FakeRecord())
         monkeypatch.setattr(mla, "_plans", OrderedDict())     # plans built on fakes must not outlive the test
+        monkeypatch.setattr(mla, "_metadata_launches", {})
 
     @staticmethod
     def pointer_attributes(address: int):
         rt = cupy.cuda.runtime
         on_device = FAKE_ADDRESS <= address < FAKE_ADDRESS + FAKE_SPAN
         return types.SimpleNamespace(type=rt.memoryTypeDevice if on_device else rt.memoryTypeUnregistered, device=0)
+
+
+class FakeRecord(errors.ErrorRecord):
+    """An error record in ordinary host memory (no pinned allocation, no GPU)."""
+
+    def __init__(self, device_id: int = 0):
+        self._memory = (ctypes.c_int32 * errors.RECORD_INTS)()
+        self.host_ptr = self.device_ptr = ctypes.addressof(self._memory)
+        self.device_id = device_id
+        self.words = self._memory
 
 
 @pytest.fixture
@@ -382,7 +377,7 @@ def test_valid_arguments_pass_every_check(fake_gpu):
 def test_rejects(case, fake_gpu):
     args = call_args(case, fake_gpu.arrays)
     fake_gpu.props = case.props
-    with checks.value_checks(case.values), pytest.raises(case.error) as e:
+    with pytest.raises(case.error) as e:
         case.fn(**args)
     check_message(case, e.value, fake_gpu.arrays.sm_count)
     assert fake_gpu.launches == []
@@ -418,51 +413,80 @@ def test_non_hopper_gpu_is_refused_before_any_compile(fake_gpu, monkeypatch):
         MLA(**mla_args(fake_gpu.arrays))
 
 
-def _with_seqlens(arrays, seqlens, table=BLOCK_TABLE):
-    args = mla_args(arrays)
-    args.pop("out"), args.pop("lse")
-    args["cache_seqlens"] = arrays.values(np.array(seqlens, I32))
-    args["block_table"] = arrays.values(np.array(table, I32))
-    return args
+# --- value checks: modes, messages and the error record (errors.py) -------------------------------
+
+@pytest.mark.parametrize("given, mode", [("async", "async"), ("SYNC", "sync"), (" off ", "off"), (True, "async"),
+                                         (False, "off"), ("1", "async"), ("0", "off"), ("true", "async")])
+def test_value_check_modes_parse(given, mode, monkeypatch):
+    monkeypatch.setattr(errors, "_mode", "async")
+    flashmla_cupy.set_value_checks(given)
+    assert flashmla_cupy.value_check_mode() == mode
+    with flashmla_cupy.value_checks("sync"):
+        assert flashmla_cupy.value_check_mode() == "sync"
+    assert flashmla_cupy.value_check_mode() == mode
 
 
-def test_value_checks_can_be_turned_off(fake_gpu, monkeypatch):
-    args = _with_seqlens(fake_gpu.arrays, [-1, 500])
-    monkeypatch.setattr(checks, "_value_checks", True)      # the default; restored after the test
-    with pytest.raises(ValueError, match=r"^cache_seqlens\[0\]"):
-        checks.mla_inputs(**args)
-    with checks.value_checks(False):
-        checks.mla_inputs(**args)
-    checks.set_value_checks(False)
-    checks.mla_inputs(**args)
-    checks.metadata_inputs(args["cache_seqlens"], Q_ROWS, H_KV)
+@pytest.mark.parametrize("bad", ["yes", "", 2, None])
+def test_value_check_mode_rejects_others(bad):
+    with pytest.raises(ValueError, match=r"^value check mode must be one of async, sync, off"):
+        flashmla_cupy.set_value_checks(bad)
 
 
-def test_value_checks_are_skipped_during_graph_capture(fake_gpu):
-    args = _with_seqlens(fake_gpu.arrays, [-1, 500])
-    fake_gpu.capturing = True
-    with checks.value_checks(True):
-        checks.mla_inputs(**args)
-        checks.metadata_inputs(args["cache_seqlens"], Q_ROWS, H_KV)
-
-
-def test_unused_block_table_entries_may_hold_anything(fake_gpu):
-    # Request 0 (64 tokens) uses its first column only, request 1 (no tokens) none: the other
-    # entries are never read. With 65 tokens request 0 uses its second column too.
-    checks.mla_inputs(**_with_seqlens(fake_gpu.arrays, [64, 0], table=[[0, 99], [-5, 2**31 - 1]]))
-    with pytest.raises(ValueError, match=r"^block_table\[0, 1\]"):
-        checks.mla_inputs(**_with_seqlens(fake_gpu.arrays, [65, 0], table=[[0, 99], [-5, 2**31 - 1]]))
-
-
-@pytest.mark.parametrize("setting, enabled", [("0", False), ("off", False), ("1", True), (None, True)])
-def test_environment_variable_sets_the_default(setting, enabled):
+@pytest.mark.parametrize("setting, mode", [("0", "off"), ("off", "off"), ("sync", "sync"), ("1", "async"),
+                                           (None, "async")])
+def test_environment_variable_sets_the_default(setting, mode):
     env = {k: v for k, v in os.environ.items() if k != "FLASHMLA_CUPY_VALUE_CHECKS"}
     if setting is not None:
         env["FLASHMLA_CUPY_VALUE_CHECKS"] = setting
-    code = "import flashmla_cupy.checks as c; print(c._value_checks)"
+    code = "import flashmla_cupy; print(flashmla_cupy.value_check_mode())"
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                             check=True)
-    assert result.stdout.strip() == str(enabled)
+    assert result.stdout.strip() == mode
+
+
+def test_environment_variable_with_a_bad_mode_says_so():
+    env = dict(os.environ, FLASHMLA_CUPY_VALUE_CHECKS="maybe")
+    result = subprocess.run([sys.executable, "-c", "import flashmla_cupy"], env=env, cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "FLASHMLA_CUPY_VALUE_CHECKS must be one of async, sync, off" in result.stderr
+
+
+@pytest.mark.parametrize("code, fields, words", [
+    (constants.ERROR_SEQLEN_NEGATIVE, (1, 0, -5, 0), "cache_seqlens[1] must be >= 0; got -5"),
+    (constants.ERROR_SEQLEN_RANGE, (0, 0, 129, 2),
+     "cache_seqlens[0] must be in [0, 128] (block_table holds 2 pages of 64 tokens per request); got 129"),
+    (constants.ERROR_BLOCK_ID, (1, 0, 4, 4),
+     "block_table[1, 0] must be a block of k_cache (0 <= id < 4), since request 1 uses it; got 4"),
+    (constants.ERROR_SCHEDULE, (3, 0, 77, 10), "tile_scheduler_metadata and num_splits must come from get_mla_metadata"),
+])
+def test_error_record_reports_once_and_clears(code, fields, words, monkeypatch):
+    monkeypatch.setattr(errors, "_mode", "async")
+    record = FakeRecord()
+    assert record.take() is None
+    errors.raise_pending(record)                           # nothing recorded: no error
+    record.words[0], record.words[1] = code, 1
+    record.words[2], record.words[3], record.words[4], record.words[5] = fields
+    with pytest.raises(ValueError) as e:
+        errors.raise_pending(record)
+    assert str(e.value).startswith(words) and "found on device 0" in str(e.value)
+    assert list(record.words) == [0, 0, *fields, 0, 0]     # code and claim cleared: the next error can land
+    errors.raise_pending(record)
+
+
+def test_error_record_in_off_mode_is_cleared_without_raising(monkeypatch):
+    monkeypatch.setattr(errors, "_mode", "off")
+    record = FakeRecord()
+    record.words[0], record.words[1] = constants.ERROR_BLOCK_ID, 1
+    errors.raise_pending(record)
+    assert record.words[0] == 0 and errors.kernel_pointer(record) == 0
+    monkeypatch.setattr(errors, "_mode", "async")
+    assert errors.kernel_pointer(record) == record.device_ptr
+
+
+def test_every_error_code_has_a_message():
+    for name in dir(constants):
+        if name.startswith("ERROR_"):
+            assert not errors.describe(getattr(constants, name), 1, 2, 3, 4).startswith("unknown")
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,9 +500,9 @@ def _bits(args: dict) -> dict:
 @pytest.mark.hopper
 def test_gpu_valid_arguments_run():
     args = mla_args(DeviceArrays())
-    with checks.value_checks(True):
-        out, lse = MLA(**args)
+    out, lse = MLA(**args)
     assert out is args["out"] and lse is args["lse"]
+    flashmla_cupy.check_errors()
 
 
 @pytest.mark.hopper
@@ -487,7 +511,7 @@ def test_gpu_rejects_and_writes_nothing(case):
     arrays = DeviceArrays()
     args = call_args(case, arrays)
     before = _bits(args)
-    with checks.value_checks(case.values), pytest.raises(case.error) as e:
+    with pytest.raises(case.error) as e:
         case.fn(**args)
     check_message(case, e.value, arrays.sm_count)
     cupy.cuda.Device().synchronize()

@@ -28,6 +28,10 @@
 #   SANITIZE_WARMUP      1 | 0: first a plain run, which also fills the cubin cache (default 1)
 #   SANITIZE_EXTRA_ARGS  more compute-sanitizer options for every tool (word-split)
 #   SANITIZE_RANGE       START:STOP, a slice of the 22 shapes (check_mla --range; default all)
+#   SANITIZE_SET         check_mla's set: sanitizer (default: 22 shapes) or bad-values (every kind
+#                        of bad length and block id in one request of a few batches: the kernels
+#                        must stay inside their arrays, write NaN for that request and report it;
+#                        run it with memcheck: SANITIZE_SET=bad-values tools/sanitize.sh LOGDIR memcheck)
 #   FLASHMLA_CUPY_EXTRA_OPTIONS  NVRTC options of the kernels under test (own cache entries):
 #                        -lineinfo puts source lines in the reports
 #
@@ -114,10 +118,11 @@ sys.argv[0] = "tools/check_mla.py"
 runpy.run_path("tools/check_mla.py", run_name="__main__")
 EOF
 range=${SANITIZE_RANGE:-:}
-app=("$python" -c "$wrapper" "$pool" --set sanitizer --dtype "$dtype" --seed "$seed" --range "$range" --host-reference)
+set_name=${SANITIZE_SET:-sanitizer}
+app=("$python" -c "$wrapper" "$pool" --set "$set_name" --dtype "$dtype" --seed "$seed" --range "$range" --host-reference)
 
 echo "compute-sanitizer: $sanitizer ($("$sanitizer" --version 2>&1 | grep -i version | head -n 1))"
-echo "app: check_mla.py --set sanitizer --dtype $dtype --seed $seed --range $range --host-reference (memory pool: $pool); logs: $logdir"
+echo "app: check_mla.py --set $set_name --dtype $dtype --seed $seed --range $range --host-reference (memory pool: $pool); logs: $logdir"
 echo "kernel build options: ${FLASHMLA_CUPY_EXTRA_OPTIONS:-(default)}"
 
 summaries=()
