@@ -1,6 +1,6 @@
 """flashmla_cupy.flash_mla, the drop-in for FlashMLA's torch functions.
 
-* FlashMLA's own test at the seed's commit (tests/flashmla_seed_test.py, its import pointed at
+* FlashMLA's own test at the seed's commit (tests/seed_flash_mla.py, its import pointed at
   the drop-in) runs in a subprocess, bf16 and fp16 (it sets torch's default device and dtype).
 * A decode step captured in ``torch.cuda.graph`` the way vLLM and SGLang capture decoding: static
   input and metadata buffers, updated in place before each replay, every output element checked
@@ -27,7 +27,7 @@ def test_flashmla_seed_test_passes(dtype):
     pytest.importorskip("torch")
     pytest.importorskip("triton", reason="FlashMLA's test times with triton.testing.do_bench")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "flashmla_seed_test.py"), "--dtype", dtype],
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "seed_flash_mla.py"), "--dtype", dtype],
                             env=env, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"FlashMLA's test failed ({dtype}):\n{output[-4000:]}"
