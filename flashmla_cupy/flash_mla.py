@@ -2,143 +2,198 @@
 
     from flashmla_cupy.flash_mla import get_mla_metadata, flash_mla_with_kvcache
 
-Same signatures and results as FlashMLA's (2025-04) module: torch tensors in and out, on the
-tensors' device and torch's current stream. torch is imported when a function runs, not when this
-module is imported, so the rest of flashmla_cupy never needs it.
+The signatures and results of FlashMLA's module (2025-04): torch tensors in and out, on the
+tensors' device and torch's current stream of that device. torch is imported the first time a
+function runs, never by importing this module, so the rest of flashmla_cupy stays torch-free.
 
-Per call: outputs from torch's caching allocator (as FlashMLA does), the arrays' pointers read
-in place (no DLPack conversion), and one workspace per (device, stream, batch shape) allocated
-through torch. Everything a call allocates comes from torch, so calls can be captured inside
-``torch.cuda.graph`` (allocations then come from the graph's pool), with inputs and metadata in
-static buffers updated in place before each replay.
+What a call does on the host: it allocates ``out`` and ``lse`` with torch (its caching
+allocator, as FlashMLA does), reads the arrays' pointers in place (no DLPack conversion),
+launches on torch's current stream (``stream=``), and takes the kernels' scratch memory from a
+workspace allocated through torch:
+
+* outside stream capture, one workspace per (device, stream, batch shape, dtype) kept in a small
+  table and reused by every layer of every step;
+* while the stream is capturing a CUDA graph, a fresh workspace for the call from torch's
+  allocator (that is, from the graph's memory pool), released when the call returns, exactly
+  like FlashMLA's own scratch tensors. A graph therefore never refers to memory that this module
+  might free and torch hand to someone else later, and graphs that share a pool (vLLM, SGLang)
+  share the workspace memory too.
+
+So ``flash_mla_with_kvcache`` can be captured inside ``torch.cuda.graph`` the way inference
+engines capture decoding: inputs and metadata in static buffers, updated in place before each
+``graph.replay()``.
 """
 from __future__ import annotations
 
-import functools
-
 import cupy
 
-from . import mla
+from . import driver, mla
 from .constants import HEAD_DIM_V
 
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache"]
 
+_get_device = cupy.cuda.runtime.getDevice
+_set_device = cupy.cuda.runtime.setDevice
 
-@functools.lru_cache(maxsize=None)
-def _torch():
+_torch = None              # the torch module, once imported
+_raw_stream = None         # device index -> torch's current stream on it, as a raw handle
+
+
+def _import_torch():
+    global _torch, _raw_stream
     try:
         import torch
     except ImportError as e:
         raise ImportError("flashmla_cupy.flash_mla works on torch tensors and needs PyTorch (pip install torch); "
                           "the rest of flashmla_cupy works on CuPy arrays without it") from e
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # a tenth of current_stream's cost
+    if getter is None:
+        current_stream = torch.cuda.current_stream
+
+        def getter(device_index: int) -> int:
+            return current_stream(device_index).cuda_stream
+    _raw_stream = getter
+    _torch = torch
     return torch
 
 
-def _current_stream(torch, device_index: int) -> int:
-    """torch's current stream on the device, as a raw handle (torch's internal getter when it has
-    one: a tenth of the cost of ``torch.cuda.current_stream``)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+def _cuda_index(torch, x, name: str) -> int:
+    """The CUDA device index of torch tensor ``x``; ``TypeError`` for anything else."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a CUDA torch.Tensor; got {type(x).__module__}.{type(x).__qualname__}")
+    index = x.get_device()
+    if index < 0:
+        raise TypeError(f"{name} must be a CUDA torch.Tensor; got one on {x.device}")
+    return index
 
 
-class _OnDevice:
-    """CuPy's current device set to ``index`` for the duration of a call (a no-op when it is)."""
+def _is_capturing(stream: int) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph; True also when the query fails (e.g. on the
+    legacy stream while another stream captures): a per-call workspace is always safe."""
+    try:
+        return driver.is_capturing(stream)
+    except driver.DriverError:
+        return True
 
-    __slots__ = ("index", "previous")
 
-    def __init__(self, index: int):
-        self.index = index
-        self.previous = None
-
-    def __enter__(self):
-        current = cupy.cuda.runtime.getDevice()
-        if current != self.index:
-            self.previous = current
-            cupy.cuda.runtime.setDevice(self.index)
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            cupy.cuda.runtime.setDevice(self.previous)
-        return False
-
+# --- get_mla_metadata ----------------------------------------------------------------------------
 
 def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int):
-    """Tile-scheduler metadata of one batch (FlashMLA's ``get_mla_metadata``).
+    """Tile-scheduler metadata of one decoding batch (FlashMLA's ``get_mla_metadata``).
 
     Args:
-        cache_seqlens: torch.int32 ``[batch]`` on a CUDA device.
-        num_heads_per_head_k: ``s_q * h_q // h_kv``.
-        num_heads_k: ``h_kv``.
+        cache_seqlens: torch.int32 ``[batch]`` on a CUDA device: tokens in each request's cache.
+        num_heads_per_head_k: query rows per KV head, ``s_q * h_q // h_kv``.
+        num_heads_k: KV heads ``h_kv``.
 
     Returns:
-        ``(tile_scheduler_metadata, num_splits)``: torch.int32 ``[num_sm_parts, 8]`` and
-        ``[batch + 1]`` on cache_seqlens' device.
+        ``(tile_scheduler_metadata, num_splits)``, torch.int32 ``[num_sm_parts, 8]`` and
+        ``[batch + 1]`` on cache_seqlens' device, written on torch's current stream. Compute them
+        once per batch and pass them to every layer's ``flash_mla_with_kvcache``. The shapes
+        depend only on the batch size and the heads, so they can be copied into static buffers
+        (``meta.copy_(...)``) before a CUDA graph replays.
     """
-    torch = _torch()
-    if not isinstance(cache_seqlens, torch.Tensor) or not cache_seqlens.is_cuda:
-        raise TypeError(f"cache_seqlens must be a CUDA torch.Tensor; got {type(cache_seqlens).__name__}"
-                        + ("" if not isinstance(cache_seqlens, torch.Tensor) else f" on {cache_seqlens.device}"))
-    device = cache_seqlens.device
-    with _OnDevice(device.index):
-        meta_shape, splits_shape = mla.metadata_shapes(cache_seqlens.shape[0], num_heads_per_head_k, num_heads_k)
-        metadata = torch.empty(meta_shape, dtype=torch.int32, device=device)
-        num_splits = torch.empty(splits_shape, dtype=torch.int32, device=device)
-        return mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, out=(metadata, num_splits),
-                                    stream=_current_stream(torch, device.index))
+    torch = _torch or _import_torch()
+    index = _cuda_index(torch, cache_seqlens, "cache_seqlens")
+    stream = _raw_stream(index)
+    previous = _get_device()
+    if previous == index:
+        return _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, stream)
+    _set_device(index)
+    try:
+        return _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, stream)
+    finally:
+        _set_device(previous)
 
+
+def _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, stream: int):
+    try:
+        if cache_seqlens.dim() != 1:
+            raise ValueError(f"cache_seqlens must be 1-D [batch]; got {cache_seqlens.dim()}-D shape "
+                             f"{tuple(cache_seqlens.shape)}")
+        meta_shape, splits_shape = mla.metadata_shapes(cache_seqlens.shape[0], num_heads_per_head_k, num_heads_k)
+        metadata = cache_seqlens.new_empty(meta_shape, dtype=torch.int32)
+        num_splits = cache_seqlens.new_empty(splits_shape, dtype=torch.int32)
+    except (TypeError, ValueError, ArithmeticError, RuntimeError):
+        # Bad arguments: the library's own checks name the argument and the rule.
+        mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, stream=stream)
+        raise
+    return mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, out=(metadata, num_splits),
+                                stream=stream)
+
+
+# --- flash_mla_with_kvcache ----------------------------------------------------------------------
 
 _workspaces: dict[tuple, mla.MLAWorkspace] = {}
 _MAX_WORKSPACES = 16
 
 
-def _workspace(torch, q, k_cache, metadata, device, stream: int) -> mla.MLAWorkspace:
-    """One torch-allocated workspace per device, stream and batch shape (kept alive here); None
-    for arguments that the call will reject with a clear message."""
+def _workspace(torch, q, k_cache, tile_scheduler_metadata, index: int, stream: int) -> mla.MLAWorkspace:
+    """The call's workspace (see the module's docstring): a kept one outside stream capture, a
+    fresh one from torch's allocator (the graph's pool) during capture."""
+    if _is_capturing(stream):
+        return _new_workspace(torch, q, k_cache, tile_scheduler_metadata)
     try:
-        key = (device.index, stream, q.shape, k_cache.shape[2], metadata.shape[0], q.dtype)
-        ws = _workspaces.get(key)
-        if ws is None:
-            ws = mla.get_mla_workspace(
-                q, k_cache, metadata, alloc=lambda nbytes: torch.empty((nbytes,), dtype=torch.uint8, device=device))
-            if len(_workspaces) >= _MAX_WORKSPACES:
-                _workspaces.clear()
-            _workspaces[key] = ws
-    except Exception:  # noqa: BLE001 - wrong types or shapes: flash_mla_with_kvcache says which
-        return None
+        key = (index, stream, q.shape, q.dtype, k_cache.shape[2], tile_scheduler_metadata.shape[0])
+    except (AttributeError, IndexError, TypeError):          # get_mla_workspace says what is wrong
+        return _new_workspace(torch, q, k_cache, tile_scheduler_metadata)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _new_workspace(torch, q, k_cache, tile_scheduler_metadata)
+        if len(_workspaces) >= _MAX_WORKSPACES:
+            _workspaces.clear()        # eager workspaces only: torch frees them in stream order
+        _workspaces[key] = ws
     return ws
+
+
+def _new_workspace(torch, q, k_cache, tile_scheduler_metadata) -> mla.MLAWorkspace:
+    device = q.device              # not q itself: a kept workspace would keep q alive
+
+    def alloc(nbytes: int):
+        return torch.empty((nbytes,), dtype=torch.uint8, device=device)
+
+    return mla.get_mla_workspace(q, k_cache, tile_scheduler_metadata, alloc=alloc)
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int, tile_scheduler_metadata,
                            num_splits, softmax_scale: float | None = None, causal: bool = False):
-    """Paged MLA decoding attention (FlashMLA's ``flash_mla_with_kvcache``) on torch tensors.
+    """Paged MLA decoding attention on torch tensors (FlashMLA's ``flash_mla_with_kvcache``).
 
     Args:
-        q: ``[batch, s_q, h_q, 576]``, torch.bfloat16 or torch.float16.
-        k_cache: ``[num_blocks, 64, h_kv, 576]``, q's dtype.
-        block_table: torch.int32 ``[batch, max_blocks_per_seq]``.
+        q: ``[batch, s_q, h_q, 576]``, torch.bfloat16 or torch.float16 (s_q > 1: MTP).
+        k_cache: ``[num_blocks, 64, h_kv, 576]`` in q's dtype: pages of 64 tokens; V is the first
+            512 columns of each row.
+        block_table: torch.int32 ``[batch, max_blocks_per_seq]``, each request's pages in order.
         cache_seqlens: torch.int32 ``[batch]``.
         head_dim_v: 512.
-        tile_scheduler_metadata, num_splits: from ``get_mla_metadata``.
-        softmax_scale: default ``576 ** -0.5``.
-        causal: causal mask over the s_q query tokens (MTP).
+        tile_scheduler_metadata, num_splits: ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv,
+            h_kv)`` of this batch.
+        softmax_scale: scale of q·k before the softmax; default ``576 ** -0.5``.
+        causal: with s_q > 1, query token i sees the first ``seqlen - (s_q - 1 - i)`` tokens.
 
     Returns:
-        ``(out, lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype and torch.float32
-        ``[batch, h_q, s_q]``. Argument errors raise as in ``flashmla_cupy.flash_mla_with_kvcache``;
-        bad values in cache_seqlens / block_table give NaN rows and a ``ValueError`` from a later
-        call (see the README's "Value checks").
+        ``(out, softmax_lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype and torch.float32
+        ``[batch, h_q, s_q]`` (natural log), new tensors on q's device, computed on torch's
+        current stream. Argument errors raise as ``flashmla_cupy.flash_mla_with_kvcache``'s do;
+        a bad value in cache_seqlens or block_table gives NaN rows for its request and a
+        ``ValueError`` from a later call (the README's "Value checks").
     """
-    torch = _torch()
-    if not isinstance(q, torch.Tensor) or not q.is_cuda or q.dim() != 4:
-        raise TypeError(f"q must be a 4-D CUDA torch.Tensor [batch, s_q, h_q, 576]; got "
-                        + (f"shape {tuple(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__))
-    device = q.device
-    stream = _current_stream(torch, device.index)
+    torch = _torch or _import_torch()
+    index = _cuda_index(torch, q, "q")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [batch, s_q, h_q, 576]; got {q.dim()}-D shape {tuple(q.shape)}")
+    stream = _raw_stream(index)
     batch, s_q, h_q, _ = q.shape
-    with _OnDevice(device.index):
-        out = torch.empty((batch, s_q, h_q, HEAD_DIM_V), dtype=q.dtype, device=device)
-        lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=device)
-        workspace = _workspace(torch, q, k_cache, tile_scheduler_metadata, device, stream)
+    out = q.new_empty((batch, s_q, h_q, HEAD_DIM_V))
+    lse = q.new_empty((batch, h_q, s_q), dtype=torch.float32)
+    previous = _get_device()
+    if previous != index:
+        _set_device(index)
+    try:
+        workspace = _workspace(torch, q, k_cache, tile_scheduler_metadata, index, stream)
         return mla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                           num_splits, softmax_scale, causal, out=out, lse=lse, workspace=workspace,
                                           stream=stream)
+    finally:
+        if previous != index:
+            _set_device(previous)

@@ -1,14 +1,17 @@
 """flashmla_cupy.flash_mla, the drop-in for FlashMLA's torch functions.
 
-* FlashMLA's own test at the seed's commit (tests/seed_flash_mla.py, its import pointed at
-  the drop-in) runs in a subprocess, bf16 and fp16 (it sets torch's default device and dtype).
+* FlashMLA's own test at the seed's commit (tests/seed_flash_mla.py, its import pointed at the
+  drop-in) runs in a subprocess, bf16 and fp16 (it sets torch's default device and dtype).
 * A decode step captured in ``torch.cuda.graph`` the way vLLM and SGLang capture decoding: static
-  input and metadata buffers, updated in place before each replay, every output element checked
-  against the float64 reference.
-* Without torch, the module imports and says what is missing when called.
+  input and metadata buffers, rewritten in place before each replay (fresh q, cache pages, block
+  table and lengths; metadata recomputed outside the graph and copied in), every output element
+  checked against the float64 reference.
+* CPU tests (run everywhere): the module imports without torch and says what is missing when
+  called; FlashMLA's signatures; tensors that are not on a CUDA device are refused.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -20,90 +23,187 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _torch_with_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build has no CUDA device")
+    return torch
+
+
+# --- FlashMLA's own test ---------------------------------------------------------------------------
+
 @pytest.mark.hopper
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_flashmla_seed_test_passes(dtype):
-    pytest.importorskip("torch")
+    _torch_with_cuda()
     pytest.importorskip("triton", reason="FlashMLA's test times with triton.testing.do_bench")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, str(REPO / "tests" / "seed_flash_mla.py"), "--dtype", dtype],
-                            env=env, capture_output=True, text=True, timeout=900)
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"FlashMLA's test failed ({dtype}):\n{output[-4000:]}"
-    assert output.count("TFLOPS") == 48, f"expected 48 timed shapes:\n{output[-4000:]}"
+    assert result.returncode == 0, f"FlashMLA's test failed ({dtype}, exit {result.returncode}):\n{output[-4000:]}"
+    # 3 lengths x 4 head counts x 2 s_q x fixed/varied lengths, each checked then timed.
+    assert output.count("TFLOPS") == 48, f"expected 48 checked and timed shapes:\n{output[-4000:]}"
+
+
+# --- torch.cuda.graph, the way inference engines capture decoding -----------------------------------
+
+GRAPH_CASES = [
+    # dtype, s_q, h_q, h_kv, causal, capture stream: torch's own capture stream, or the warm-up
+    # stream (vLLM and SGLang warm up and capture on one stream of theirs)
+    ("bf16", 1, 128, 1, False, "torch"),
+    ("fp16", 2, 16, 1, True, "warmup"),
+    ("bf16", 2, 32, 2, True, "torch"),
+]
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 16)])
-def test_torch_cuda_graph_replays_with_updated_inputs(s_q, h_q):
-    torch = pytest.importorskip("torch")
+@pytest.mark.parametrize("dtype,s_q,h_q,h_kv,causal,capture", GRAPH_CASES,
+                         ids=[f"{d}-sq{s}-hq{h}-hkv{k}-{'causal' if c else 'full'}-capture_on_{w}"
+                              for d, s, h, k, c, w in GRAPH_CASES])
+def test_torch_cuda_graph_replays_with_updated_inputs(dtype, s_q, h_q, h_kv, causal, capture):
+    torch = _torch_with_cuda()
     import cupy
 
+    import flashmla_cupy
     from flashmla_cupy import flash_mla
-    from flashmla_cupy.testing import check_against_reference, make_inputs
+    from flashmla_cupy.testing import DTYPES, PAGE, MLACase, check_against_reference, make_inputs
 
     rng = np.random.default_rng()
-    batch = 11
-    max_len = 3000
-    # Static buffers, as an engine keeps them: the cache and block table of the longest requests;
-    # each round draws new lengths within them, a new q, and recomputes the metadata in place.
-    inp = make_inputs(rng, np.full(batch, max_len), s_q, h_q, 1, "bf16")
-    q, k_cache, block_table, seqlens = (torch.from_dlpack(x) for x in (inp.q, inp.k_cache, inp.block_table,
-                                                                       inp.cache_seqlens))
-    meta, splits = flash_mla.get_mla_metadata(seqlens, s_q * h_q, 1)
+    batch, max_len, spare_blocks, garbage_columns = 9, 2000, 3, 2
+    pages = -(-max_len // PAGE)
+    heads_per_kv = s_q * h_q // h_kv
+    device = torch.device("cuda", cupy.cuda.runtime.getDevice())
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
+    # Static buffers, as an engine keeps them, with room for the longest requests.
+    q = torch.empty((batch, s_q, h_q, 576), dtype=torch_dtype, device=device)
+    k_cache = torch.empty((batch * pages + spare_blocks, PAGE, h_kv, 576), dtype=torch_dtype, device=device)
+    block_table = torch.empty((batch, pages + garbage_columns), dtype=torch.int32, device=device)
+    seqlens = torch.empty((batch,), dtype=torch.int32, device=device)
+
+    def bits(t):
+        """A CuPy view of a torch tensor's memory (16-bit floats as int16: no dtype conversion)."""
+        return cupy.from_dlpack(t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t)
+
+    def typed(t):
+        return bits(t).view(DTYPES[dtype]) if t.dtype == torch_dtype else bits(t)
+
+    def draw_lengths():
+        lengths = rng.integers(1, max_len + 1, batch)
+        lengths[rng.integers(batch)] = max_len
+        lengths[rng.integers(batch)] = 0
+        return lengths.astype(np.int32)
+
+    def write_step(meta=None, splits=None):
+        """One decoding step's data written into the static buffers: fresh q, the requests' pages
+        at permuted block ids with NaN in every slot that no request may read, garbage block ids
+        past each request's pages, new lengths; the metadata recomputed outside the graph and
+        copied into its static buffers. Returns the case as CuPy views of the static buffers."""
+        case = make_inputs(rng, draw_lengths(), s_q, h_q, h_kv, dtype, spare_blocks=spare_blocks,
+                           garbage_columns=garbage_columns)
+        used_blocks, columns = case.k_cache.shape[0], case.block_table.shape[1]
+        k_cache.fill_(float("nan"))
+        block_table.fill_(2**31 - 1)
+        torch.cuda.synchronize()
+        bits(k_cache)[:used_blocks] = case.k_cache.view(np.int16)
+        bits(block_table)[:, :columns] = case.block_table
+        bits(q)[...] = case.q.view(np.int16)
+        bits(seqlens)[...] = case.cache_seqlens
+        cupy.cuda.Device().synchronize()
+        new_meta, new_splits = flash_mla.get_mla_metadata(seqlens, heads_per_kv, h_kv)
+        if meta is not None:
+            meta.copy_(new_meta)
+            splits.copy_(new_splits)
+        static = MLACase(typed(q), typed(k_cache), typed(block_table), typed(seqlens), case.seqlens, s_q, h_q, h_kv)
+        return static, new_meta, new_splits
+
+    def check(case, out, lse, what):
+        assert out.shape == (batch, s_q, h_q, 512) and out.dtype == torch_dtype and out.is_contiguous(), what
+        assert lse.shape == (batch, h_q, s_q) and lse.dtype == torch.float32 and lse.is_contiguous(), what
+        try:
+            check_against_reference(case, typed(out), bits(lse), causal, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: {e}") from None
+
+    def call():
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits, causal=causal)
+
+    case, meta, splits = write_step()          # the first step's metadata become the static buffers
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                       # warm-up on a side stream (torch's advice)
-        flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits, causal=True)
+    with torch.cuda.stream(side):              # warm-up on a side stream, as torch's docs advise
+        eager = call()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
-                                                    causal=True)
+    torch.cuda.synchronize()
+    check(case, *eager, "eager warm-up call")
 
-    for round_ in range(3):
-        lengths = rng.integers(1, max_len + 1, batch).astype(np.int32)
-        lengths[rng.integers(batch)] = 0
-        seqlens.copy_(torch.from_numpy(lengths).cuda())
-        q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
-        new_meta, new_splits = flash_mla.get_mla_metadata(seqlens, s_q * h_q, 1)
-        meta.copy_(new_meta)
-        splits.copy_(new_splits)
-        out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side if capture == "warmup" else None):
+        out, lse = call()
+
+    for step in range(3):
+        case, _, _ = write_step(meta, splits)
+        out.fill_(float("nan"))                # anything the replay does not write stays NaN
         lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        # The cache's slots past each new length are still real tokens (not NaN): the reference
-        # reads only the first `lengths[i]` tokens, so a kernel reading past them would differ.
-        inp.cache_seqlens = cupy.asarray(lengths)
-        inp.seqlens = lengths
-        inp.q = cupy.from_dlpack(q)
-        try:
-            check_against_reference(inp, cupy.from_dlpack(out), cupy.from_dlpack(lse), True, "bf16")
-        except AssertionError as e:
-            raise AssertionError(f"replay {round_}: {e}") from None
-    import flashmla_cupy
+        check(case, out, lse, f"replay {step} (lengths {case.seqlens.tolist()})")
     flashmla_cupy.check_errors()
 
 
+# --- CPU tests ---------------------------------------------------------------------------------------
+
 def test_module_imports_without_torch_and_says_what_is_missing():
     code = (
-        "import sys; sys.modules['torch'] = None\n"
+        "import sys\n"
+        "sys.modules['torch'] = None          # `import torch` raises ImportError\n"
         "import flashmla_cupy.flash_mla as m\n"
-        "try:\n"
-        "    m.get_mla_metadata(None, 16, 1)\n"
-        "except ImportError as e:\n"
-        "    print('ImportError:', e)\n"
+        "for call in (lambda: m.get_mla_metadata(None, 16, 1),\n"
+        "             lambda: m.flash_mla_with_kvcache(None, None, None, None, 512, None, None)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ImportError as e:\n"
+        "        print('ImportError:', e)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "ImportError: flashmla_cupy.flash_mla works on torch tensors and needs PyTorch" in result.stdout
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    for line in lines:
+        assert line.startswith("ImportError: flashmla_cupy.flash_mla works on torch tensors and needs PyTorch"), line
 
 
-def test_package_does_not_import_torch():
+def test_module_does_not_import_torch():
     code = "import sys, flashmla_cupy, flashmla_cupy.flash_mla; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_signatures_are_flashmlas():
+    from flashmla_cupy import flash_mla
+
+    def described(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    empty = inspect.Parameter.empty
+    assert described(flash_mla.get_mla_metadata) == [
+        ("cache_seqlens", empty), ("num_heads_per_head_k", empty), ("num_heads_k", empty)]
+    assert described(flash_mla.flash_mla_with_kvcache) == [
+        ("q", empty), ("k_cache", empty), ("block_table", empty), ("cache_seqlens", empty), ("head_dim_v", empty),
+        ("tile_scheduler_metadata", empty), ("num_splits", empty), ("softmax_scale", None), ("causal", False)]
+
+
+def test_tensors_off_the_gpu_are_refused():
+    torch = pytest.importorskip("torch")
+    from flashmla_cupy import flash_mla
+
+    seqlens = torch.full((2,), 100, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"cache_seqlens must be a CUDA torch\.Tensor; got one on cpu"):
+        flash_mla.get_mla_metadata(seqlens, 16, 1)
+    with pytest.raises(TypeError, match=r"cache_seqlens must be a CUDA torch\.Tensor; got numpy\.ndarray"):
+        flash_mla.get_mla_metadata(np.full(2, 100, dtype=np.int32), 16, 1)
+    q = torch.zeros((2, 1, 16, 576), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"q must be a CUDA torch\.Tensor; got one on cpu"):
+        flash_mla.flash_mla_with_kvcache(q, q, seqlens, seqlens, 512, seqlens, seqlens)

@@ -651,7 +651,7 @@ def test_compile_a_small_program_then_hit_the_cache(monkeypatch, tmp_path, capsy
     assert cli.main(["compile", "--arch", "sm_90a", *only, "--json", str(report_path)]) == 0
     first = json.loads(report_path.read_text())["kernels"]
     assert len(first) == 1 and first[0]["registers"] > 0 and first[0]["from_cache"] is False
-    assert first[0]["spill_stores"] == 0
+    assert first[0]["stack_bytes"] == 0 and first[0]["spill_stores"] in (0, -1)    # -1: no ptxas report
     assert cli.main(["compile", "--arch", "sm_90a", *only, "--json", str(report_path)]) == 0
     assert json.loads(report_path.read_text())["kernels"][0]["from_cache"] is True
     assert "mla_combine_kernel<bfloat16_t>" in capsys.readouterr().out
