@@ -2,7 +2,7 @@
 
 ``fake_array`` builds a CuPy array header over a made-up device address: the checks read only
 its shape, dtype, strides, address and device, so it is never dereferenced. ``H100`` and
-``A100`` are what ``flashmla_cupy.launch.device_properties`` reports for those GPUs. The host
+``A100`` are what ``flashmla_cupy.driver.device_properties`` reports for those GPUs. The host
 objects stand for foreign arrays in host memory that speak the GPU array protocols.
 """
 from __future__ import annotations

@@ -9,9 +9,14 @@ On the CPU the calls get CuPy array headers over made-up device memory (tests/fa
 a fake Hopper GPU (``FakeGPU``): CuPy's current device and stream, the device properties, the
 memory type behind a pointer and ``cupy.asnumpy`` (which serves the NumPy values the test prepared)
 are monkeypatched, and so are the launch layer, which records what would be launched (every row
-also asserts that nothing was), and the error record (``errors.record``: no pinned memory). On a Hopper GPU the rows that need no fake run on real arrays,
-floating ones (the ``out`` and ``lse`` buffers among them) poisoned with NaN, and assert that no
+also asserts that nothing was), and the error record (``errors.record``: ``FakeRecord``, in
+ordinary host memory). On a Hopper GPU the rows that need no fake run on real arrays, floating
+ones (the ``out`` and ``lse`` buffers among them) poisoned with NaN, and assert that no
 argument's bits changed.
+
+The value checks' host side (errors.py: modes, the environment variable, messages, the record's
+report-once semantics, when a call synchronizes) is tested on the CPU too; the kernels' side is
+in tests/test_values.py.
 """
 from __future__ import annotations
 
@@ -457,7 +462,8 @@ def test_environment_variable_with_a_bad_mode_says_so():
      "cache_seqlens[0] must be in [0, 128] (block_table holds 2 pages of 64 tokens per request); got 129"),
     (constants.ERROR_BLOCK_ID, (1, 0, 4, 4),
      "block_table[1, 0] must be a block of k_cache (0 <= id < 4), since request 1 uses it; got 4"),
-    (constants.ERROR_SCHEDULE, (3, 0, 77, 10), "tile_scheduler_metadata and num_splits must come from get_mla_metadata"),
+    (constants.ERROR_SCHEDULE, (3, 0, 77, 10), "tile_scheduler_metadata and num_splits must come from "
+     "get_mla_metadata of this batch (request 3: split 77 outside [0, 10))"),
 ])
 def test_error_record_reports_once_and_clears(code, fields, words, monkeypatch):
     monkeypatch.setattr(errors, "_mode", "async")
@@ -487,6 +493,98 @@ def test_every_error_code_has_a_message():
     for name in dir(constants):
         if name.startswith("ERROR_"):
             assert not errors.describe(getattr(constants, name), 1, 2, 3, 4).startswith("unknown")
+
+
+def test_error_codes_reach_the_kernels():
+    # Each code is a -D define of every program (constants.defines), distinct and not 0 ("no error").
+    codes = {name: getattr(constants, name) for name in dir(constants) if name.startswith("ERROR_")}
+    defines = dict(constants.defines())
+    assert codes and all(defines.get(f"FLASHMLA_{name}") == str(code) for name, code in codes.items())
+    assert len(set(codes.values())) == len(codes) and 0 not in codes.values()
+    assert errors.describe(99, 1, 2, 3, 4) == "unknown error code 99 (index 1, 2, value 3, bound 4)"
+
+
+def test_value_checks_context_restores_the_mode(monkeypatch):
+    monkeypatch.setattr(errors, "_mode", "async")
+    with pytest.raises(RuntimeError):
+        with flashmla_cupy.value_checks("off"):
+            assert flashmla_cupy.value_check_mode() == "off"
+            raise RuntimeError("inside")
+    assert flashmla_cupy.value_check_mode() == "async"
+    with pytest.raises(ValueError, match="value check mode must be one of"):
+        with flashmla_cupy.value_checks("maybe"):
+            pass
+    assert flashmla_cupy.value_check_mode() == "async"
+
+
+def _recorded(record, code, index0=0, index1=0, value=0, bound=0):
+    """What a kernel's report_error leaves in the record."""
+    record.words[0], record.words[1] = code, 1
+    record.words[2], record.words[3], record.words[4], record.words[5] = index0, index1, value, bound
+    return record
+
+
+@pytest.mark.parametrize("mode, capturing, synchronizes", [("sync", False, True), ("sync", True, False),
+                                                           ("async", False, False), ("off", False, False)])
+def test_after_launch_synchronizes_only_in_sync_mode_outside_capture(mode, capturing, synchronizes, monkeypatch):
+    monkeypatch.setattr(errors, "_mode", mode)
+    monkeypatch.setattr(driver, "is_capturing", lambda stream_ptr: capturing)
+    synchronized = []
+    monkeypatch.setattr(cupy.cuda.runtime, "streamSynchronize", synchronized.append)
+    record = _recorded(FakeRecord(), constants.ERROR_BLOCK_ID, 0, 2, -1, 4)
+    if synchronizes:
+        with pytest.raises(ValueError, match=r"^block_table\[0, 2\] must be a block of k_cache .*got -1"):
+            errors.after_launch(record, 1234)
+        assert synchronized == [1234] and record.words[0] == 0
+    else:
+        errors.after_launch(record, 1234)                  # raised later, by the next call
+        assert synchronized == [] and record.words[0] == constants.ERROR_BLOCK_ID
+
+
+def test_check_errors_synchronizes_every_device_then_raises(monkeypatch):
+    records = {0: FakeRecord(0), 1: _recorded(FakeRecord(1), constants.ERROR_SEQLEN_NEGATIVE, 3, 0, -2)}
+    events = []
+
+    class Device:
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def __enter__(self):
+            events.append(f"device {self.device_id}")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(errors, "_records", records)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: events.append("synchronize"))
+    with pytest.raises(ValueError, match=r"^cache_seqlens\[3\] must be >= 0; got -2 \(found on device 1 "):
+        flashmla_cupy.check_errors()
+    assert events == ["device 0", "synchronize", "device 1", "synchronize"]
+    flashmla_cupy.check_errors()                           # reported once
+    assert records[1].words[0] == 0
+
+
+def test_calls_raise_a_pending_error_before_launching(fake_gpu, monkeypatch):
+    # get_mla_metadata on the fake GPU (with out=: nothing is allocated): the kernel gets the
+    # record's address ("async") or 0 ("off"); a recorded error is raised by the next call, before
+    # it launches anything, and only once.
+    record = FakeRecord()
+    monkeypatch.setattr(errors, "record", lambda device_id: record)
+    monkeypatch.setattr(errors, "_mode", "async")
+    seqlens = fake_gpu.arrays.values(SEQLENS)
+    out = fake_gpu.arrays.metadata(seqlens)
+    assert METADATA(seqlens, Q_ROWS, H_KV, out=out) == out
+    assert len(fake_gpu.launches) == 1 and fake_gpu.launches[-1].params.error == record.device_ptr != 0
+    with flashmla_cupy.value_checks("off"):
+        METADATA(seqlens, Q_ROWS, H_KV, out=out)
+    assert len(fake_gpu.launches) == 2 and fake_gpu.launches[-1].params.error == 0
+    _recorded(record, constants.ERROR_SEQLEN_NEGATIVE, 1, 0, -5)
+    with pytest.raises(ValueError, match=r"^cache_seqlens\[1\] must be >= 0; got -5"):
+        METADATA(seqlens, Q_ROWS, H_KV, out=out)
+    assert len(fake_gpu.launches) == 2 and record.words[0] == 0
+    METADATA(seqlens, Q_ROWS, H_KV, out=out)
+    assert len(fake_gpu.launches) == 3
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,13 +1,22 @@
 """Bad values in the integer arrays, checked by the kernels (flashmla_cupy/errors.py).
 
-Every kind of bad length and block id (``flashmla_cupy.testing.bad_values``: negative, just past
-the bound, 2**30, the int32 extremes) in one request: that request's out rows and lse entries are
-NaN, the other requests match the float64 reference, the CUDA context survives, and the error is
-raised — by the next call ("async", the default), at the call ("sync"), or never ("off").
-Scheduler metadata that does not belong to the batch is survived and reported the same way.
-compute-sanitizer memcheck runs the same cases: ``SANITIZE_SET=bad-values tools/sanitize.sh``.
+Every kind of bad length and block id (negative, just past the bound, 2**30, the int32 extremes)
+in one request of a batch, in each mode: that request's out rows and lse entries are NaN (written
+by the kernels: the outputs start finite), the other requests match the float64 reference, and
+the error is raised by the next call ("async", the default; or by ``check_errors()``), at the
+call ("sync"), or never ("off"). Also: a negative length into ``get_mla_metadata``, a bad value
+inside a request split over many SM parts (NaN through the combine kernel), scheduler metadata
+that does not belong to the batch, bad values in CUDA-graph replays, and, last, a correct call
+showing that the CUDA context survived all of it.
+
+Every test leaves the error record clear (an autouse fixture checks before and after), so that no
+error leaks into another test. compute-sanitizer memcheck runs similar cases:
+``tools/check_mla.py --set bad-values`` (tools/sanitize.sh).
 """
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import cupy
 import numpy as np
@@ -15,159 +24,428 @@ import pytest
 
 import flashmla_cupy
 from flashmla_cupy import errors
-from flashmla_cupy.testing import (BadValue, apply_bad_value, bad_values, check_against_reference, check_bad_value_result,
-                                   make_inputs, poisoned, run_kernel)
+from flashmla_cupy.testing import BadValue, check_against_reference, check_bad_value_result, make_inputs, run_kernel
 
 pytestmark = pytest.mark.hopper
 
-# (seqlens, s_q, h_q, causal, request given the bad value)
-BATCHES = [([100, 200, 300, 64, 0, 1000], 1, 16, False, 2), ([900, 5, 2000, 64], 2, 128, True, 0)]
+PAGE = 64
+SENTINEL = 0.5          # outputs start finite: NaN must come from the kernels, unwritten rows fail the reference
+SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_metadata"
 
 
 @pytest.fixture(autouse=True)
-def _error_record_left_clear():
-    yield
+def _error_record_clear():
+    """The device's error record is clear before and after each test; tests run in "async" mode
+    unless they choose another (whatever FLASHMLA_CUPY_VALUE_CHECKS says)."""
+    device = cupy.cuda.runtime.getDevice()
     cupy.cuda.Device().synchronize()
-    record = errors.record(cupy.cuda.runtime.getDevice())
-    assert record.words[0] == 0, "a test left an unreported error in the record"
+    leaked = errors.record(device).take()
+    assert leaked is None, f"an earlier test left an unreported error in the record: {leaked}"
+    with flashmla_cupy.value_checks("async"):
+        yield
+    cupy.cuda.Device().synchronize()
+    leaked = errors.record(device).take()
+    assert leaked is None, f"the test left an unreported error in the record: {leaked}"
 
 
-def _call(inp, meta, splits, causal, **kwargs):
-    b, s_q, h_q = len(inp.seqlens), inp.s_q, inp.h_q
-    out, lse = poisoned((b, s_q, h_q, 512), inp.q.dtype), poisoned((b, h_q, s_q), np.float32)
-    flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits,
-                                         causal=causal, out=out, lse=lse, **kwargs)
+# --------------------------------------------------------------------------------------------
+# Batches and bad values
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    seqlens: tuple
+    s_q: int
+    h_q: int
+    h_kv: int
+    causal: bool
+    dtype: str
+    request: int            # the request given the bad value
+
+    @property
+    def rows_per_kv(self) -> int:
+        return self.s_q * self.h_q // self.h_kv
+
+
+# 6 requests each (one of length 0 or 1, whose unused block-table columns hold garbage that must
+# never be read); the bad request is processed whole in some, split over SM parts in others.
+BATCHES = {
+    "sq1-hq16-bf16": Batch((100, 200, 300, 64, 0, 1000), 1, 16, 1, False, "bf16", 2),
+    "sq2-hq128-causal-bf16": Batch((900, 5, 2000, 64, 130, 1), 2, 128, 1, True, "bf16", 0),
+    "sq1-hq128-fp16": Batch((700, 3000, 64, 65, 1, 2), 1, 128, 1, False, "fp16", 3),
+    "sq2-hq32-hkv2-bf16": Batch((129, 3000, 64, 65, 1, 900), 2, 32, 2, False, "bf16", 5),
+}
+
+LENGTHS = {           # cache_seqlens[request]: outside [0, 64 * block_table columns]
+    "-1": lambda inp: -1,
+    "-2**31": lambda inp: -2**31,
+    "capacity+1": lambda inp: PAGE * inp.block_table.shape[1] + 1,
+    "2**30": lambda inp: 2**30,
+    "2**31-1": lambda inp: 2**31 - 1,
+}
+IDS = {               # block_table[request, column]: outside [0, num_blocks)
+    "-1": lambda inp: -1,
+    "num_blocks": lambda inp: inp.k_cache.shape[0],
+    "2**31-1": lambda inp: 2**31 - 1,
+    "-2**31": lambda inp: -2**31,
+}
+
+
+def _kinds(batch: Batch) -> list[tuple[str, str, str]]:
+    """(argument, value name, page) of every bad value for the batch: block ids in the request's
+    first page, and in its last one without a causal mask (with one, some query rows skip the
+    last page, and only the rows that read a bad id are NaN)."""
+    kinds = [("cache_seqlens", name, "") for name in LENGTHS]
+    for page in ("first",) if batch.causal else ("first", "last"):
+        kinds += [("block_table", name, page) for name in IDS]
+    return kinds
+
+
+VALUE_CASES = [(b, *k) for b in BATCHES for k in _kinds(BATCHES[b])]
+VALUE_IDS = [f"{b}-{arg}-{page + '-' if page else ''}{name}" for b, arg, name, page in VALUE_CASES]
+
+
+def bad_value(inp, batch: Batch, argument: str, name: str, page: str = "first") -> BadValue:
+    i = batch.request
+    if argument == "cache_seqlens":
+        return BadValue("cache_seqlens", i, LENGTHS[name](inp))
+    pages = -(-int(inp.seqlens[i]) // PAGE)
+    return BadValue("block_table", i, IDS[name](inp), column=0 if page == "first" else pages - 1)
+
+
+def write(inp, bad: BadValue, value=None) -> None:
+    """Write ``bad`` (or ``value`` in its place) into the case's GPU arrays."""
+    value = bad.value if value is None else value
+    if bad.argument == "cache_seqlens":
+        inp.cache_seqlens[bad.request] = value
+    else:
+        inp.block_table[bad.request, bad.column] = value
+
+
+def good_value(inp, bad: BadValue) -> int:
+    if bad.argument == "cache_seqlens":
+        return int(inp.seqlens[bad.request])
+    return int(inp.block_table[bad.request, bad.column])
+
+
+def check_message(error: Exception, inp, bad: BadValue) -> None:
+    """The message names the argument, the index, the bound and the value."""
+    message = str(error)
+    i = bad.request
+    if bad.argument == "cache_seqlens":
+        pages = inp.block_table.shape[1]
+        start = (f"cache_seqlens[{i}] must be in [0, {pages * PAGE}] (block_table holds {pages} pages "
+                 f"of {PAGE} tokens per request)")
+    else:
+        start = (f"block_table[{i}, {bad.column}] must be a block of k_cache (0 <= id < {inp.k_cache.shape[0]}), "
+                 f"since request {i} uses it")
+    assert message.startswith(start), f"message should start with {start!r}: {message}"
+    assert re.search(rf"; got {bad.value}(?!\d)", message), f"message should say 'got {bad.value}': {message}"
+
+
+@pytest.fixture(scope="module")
+def bases():
+    """Per batch: inputs and metadata from the good lengths, made once (tests use copies of the
+    integer arrays)."""
+    made = {}
+    yield made
+    made.clear()
+
+
+def fresh(bases, name: str):
+    """``(inp, metadata, num_splits)`` of batch ``name``: its own block table and lengths."""
+    if name not in bases:
+        batch = BATCHES[name]
+        inp = make_inputs(np.random.default_rng(list(BATCHES).index(name)), list(batch.seqlens), batch.s_q,
+                          batch.h_q, batch.h_kv, batch.dtype)
+        meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
+        bases[name] = (inp, meta, splits)
+    inp, meta, splits = bases[name]
+    return dataclasses.replace(inp, block_table=inp.block_table.copy(), cache_seqlens=inp.cache_seqlens.copy()), \
+        meta, splits
+
+
+def outputs(inp):
+    """``out`` and ``lse`` full of a finite value."""
+    b = len(inp.seqlens)
+    out = cupy.full((b, inp.s_q, inp.h_q, 512), SENTINEL, dtype=np.float32).astype(inp.q.dtype)
+    lse = cupy.full((b, inp.h_q, inp.s_q), SENTINEL, dtype=np.float32)
     return out, lse
 
 
-# bad_values() lists 5 lengths, then 4 ids for the first page and (without a causal mask) 4 for
-# the last: 13 kinds at most (the cases need the GPU arrays, so they are built in the test).
-KINDS = [(b, k) for b in range(len(BATCHES)) for k in range(13)]
+def call(inp, meta, splits, causal, out, lse, **kwargs):
+    return flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
+                                                splits, causal=causal, out=out, lse=lse, **kwargs)
 
 
-@pytest.mark.parametrize("batch_index,kind", KINDS, ids=[f"batch{b}-kind{k}" for b, k in KINDS])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_bad_value_gives_nan_rows_and_an_error_at_the_next_call(batch_index, kind, dtype):
-    seqlens, s_q, h_q, causal, _ = BATCHES[batch_index]
-    inp = make_inputs(np.random.default_rng(), seqlens, s_q, h_q, 1, dtype)
-    kinds = bad_values(inp, BATCHES[batch_index][4], causal)
-    if kind >= len(kinds):
-        pytest.skip("no such kind for this batch (a causal batch has no last-page ids)")
-    bad = kinds[kind]
-    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
-    apply_bad_value(inp, bad)
-    with flashmla_cupy.value_checks("async"):
-        out, lse = _call(inp, meta, splits, causal)           # returns: nothing waits for the GPU
-        cupy.cuda.Device().synchronize()
-        check_bad_value_result(inp, bad, out, lse, causal, dtype)
+def assert_record_clear() -> None:
+    cupy.cuda.Device().synchronize()
+    assert errors.record(cupy.cuda.runtime.getDevice()).words[0] == 0, "an error was recorded"
+
+
+# --------------------------------------------------------------------------------------------
+# Every bad value, every mode
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,argument,value_name,page", VALUE_CASES, ids=VALUE_IDS)
+def test_async_bad_value_gives_nan_rows_and_an_error_at_the_next_call(bases, name, argument, value_name, page):
+    batch = BATCHES[name]
+    inp, meta, splits = fresh(bases, name)
+    bad = bad_value(inp, batch, argument, value_name, page)
+    good = good_value(inp, bad)
+    write(inp, bad)
+    out, lse = outputs(inp)
+    call(inp, meta, splits, batch.causal, out, lse)             # returns: nothing waits for the GPU
+    cupy.cuda.Device().synchronize()
+    check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
+    with pytest.raises(ValueError) as e:                        # the next call on the device
+        flashmla_cupy.get_mla_metadata(cupy.asarray(inp.seqlens), batch.rows_per_kv, batch.h_kv)
+    check_message(e.value, inp, bad)
+    assert "found on device" in str(e.value)
+    # Reported once: the call after that runs, and with the value fixed every request is right.
+    write(inp, bad, good)
+    out, lse = outputs(inp)
+    call(inp, meta, splits, batch.causal, out, lse)
+    check_against_reference(inp, out, lse, batch.causal, batch.dtype)
+    flashmla_cupy.check_errors()
+
+
+@pytest.mark.parametrize("name,argument,value_name,page", VALUE_CASES, ids=VALUE_IDS)
+def test_sync_bad_value_raises_at_the_call(bases, name, argument, value_name, page):
+    batch = BATCHES[name]
+    inp, meta, splits = fresh(bases, name)
+    bad = bad_value(inp, batch, argument, value_name, page)
+    write(inp, bad)
+    out, lse = outputs(inp)
+    with flashmla_cupy.value_checks("sync"):
         with pytest.raises(ValueError) as e:
-            flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
-        assert str(e.value).startswith(bad.message) and f"got {bad.value}" in str(e.value)
-        flashmla_cupy.check_errors()                          # reported once: nothing left
+            call(inp, meta, splits, batch.causal, out, lse)
+        check_message(e.value, inp, bad)
+        check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)   # the call ran, then raised
+        flashmla_cupy.check_errors()                            # reported once
 
 
-@pytest.mark.parametrize("mode", ["sync", "off"])
-def test_sync_mode_raises_at_the_call_and_off_mode_never(mode):
-    seqlens, s_q, h_q, causal, request = BATCHES[1]
-    inp = make_inputs(np.random.default_rng(), seqlens, s_q, h_q, 1, "bf16")
-    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
-    bad = next(b for b in bad_values(inp, request, causal) if b.argument == "block_table")
-    apply_bad_value(inp, bad)
+@pytest.mark.parametrize("name,argument,value_name,page", VALUE_CASES, ids=VALUE_IDS)
+def test_off_bad_value_gives_nan_rows_and_no_error(bases, name, argument, value_name, page):
+    batch = BATCHES[name]
+    inp, meta, splits = fresh(bases, name)
+    bad = bad_value(inp, batch, argument, value_name, page)
+    write(inp, bad)
+    out, lse = outputs(inp)
+    with flashmla_cupy.value_checks("off"):
+        call(inp, meta, splits, batch.causal, out, lse)
+        assert_record_clear()                                   # nothing recorded
+        check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
+        flashmla_cupy.get_mla_metadata(cupy.asarray(inp.seqlens), batch.rows_per_kv, batch.h_kv)
+        flashmla_cupy.check_errors()
+
+
+@pytest.mark.parametrize("argument,value_name,page", [("cache_seqlens", "2**31-1", ""), ("block_table", "-1", "first")])
+def test_check_errors_synchronizes_and_raises(bases, argument, value_name, page):
+    name = "sq1-hq128-fp16"
+    batch = BATCHES[name]
+    inp, meta, splits = fresh(bases, name)
+    bad = bad_value(inp, batch, argument, value_name, page)
+    write(inp, bad)
+    out, lse = outputs(inp)
+    call(inp, meta, splits, batch.causal, out, lse)
+    with pytest.raises(ValueError) as e:                        # no synchronize before: check_errors does it
+        flashmla_cupy.check_errors()
+    check_message(e.value, inp, bad)
+    flashmla_cupy.check_errors()                                # reported once
+    flashmla_cupy.get_mla_metadata(cupy.asarray(inp.seqlens), batch.rows_per_kv, batch.h_kv)
+    check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
+
+
+@pytest.mark.parametrize("value_name", ["capacity+1", "2**30", "2**31-1"])
+def test_bad_length_in_the_metadata_too(value_name):
+    """The usual mistake: the same bad lengths go to get_mla_metadata (which accepts any
+    positive length) and to the call."""
+    batch = Batch((300, 100, 5000, 64, 1, 700), 1, 64, 1, False, "bf16", 1)
+    inp = make_inputs(np.random.default_rng(11), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
+    bad = bad_value(inp, batch, "cache_seqlens", value_name)
+    write(inp, bad)
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
+    out, lse = outputs(inp)
+    call(inp, meta, splits, batch.causal, out, lse)
+    with pytest.raises(ValueError) as e:
+        flashmla_cupy.check_errors()
+    check_message(e.value, inp, bad)
+    check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# A negative length into get_mla_metadata
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["async", "sync", "off"])
+def test_negative_length_into_get_mla_metadata(mode):
+    batch = Batch((300, 100, 5000, 64, 0, 2), 2, 16, 1, True, "bf16", 1)
+    inp = make_inputs(np.random.default_rng(12), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
+    bad = BadValue("cache_seqlens", 1, -5)
+    write(inp, bad)
+    shapes = flashmla_cupy.metadata_shapes(len(batch.seqlens), batch.rows_per_kv, batch.h_kv)
+    meta, splits = cupy.full(shapes[0], -7, dtype=np.int32), cupy.full(shapes[1], -7, dtype=np.int32)
+    out, lse = outputs(inp)
     with flashmla_cupy.value_checks(mode):
         if mode == "sync":
-            with pytest.raises(ValueError, match=r"^block_table\[0, 0\] must be a block of k_cache"):
-                _call(inp, meta, splits, causal)
+            with pytest.raises(ValueError, match=r"^cache_seqlens\[1\] must be >= 0; got -5"):
+                flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv, out=(meta, splits))
         else:
-            out, lse = _call(inp, meta, splits, causal)
-            flashmla_cupy.check_errors()
-            check_bad_value_result(inp, bad, out, lse, causal, "bf16")
-
-
-def test_negative_length_into_get_mla_metadata():
-    inp = make_inputs(np.random.default_rng(), [300, 100, 5000], 1, 64, 1, "bf16")
-    inp.cache_seqlens[1] = -7
-    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 64, 1)
-    with pytest.raises(ValueError, match=r"^cache_seqlens\[1\] must be >= 0; got -7"):
+            flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv, out=(meta, splits))
+            if mode == "async":
+                with pytest.raises(ValueError, match=r"^cache_seqlens\[1\] must be >= 0; got -5"):
+                    flashmla_cupy.check_errors()
+            assert_record_clear()
+        # The length was scheduled as 0.
+        zero = inp.cache_seqlens.copy()
+        zero[1] = 0
+        want_meta, want_splits = flashmla_cupy.get_mla_metadata(zero, batch.rows_per_kv, batch.h_kv)
+        assert bool((meta == want_meta).all()) and bool((splits == want_splits).all())
+        # The split-KV kernel then finds the length outside [0, capacity]: NaN for the request.
+        if mode == "sync":
+            with pytest.raises(ValueError) as e:
+                call(inp, meta, splits, batch.causal, out, lse)
+            check_message(e.value, inp, bad)
+        else:
+            call(inp, meta, splits, batch.causal, out, lse)
+            cupy.cuda.Device().synchronize()
+            if mode == "async":
+                with pytest.raises(ValueError) as e:
+                    flashmla_cupy.get_mla_metadata(zero, batch.rows_per_kv, batch.h_kv)   # the next call
+                check_message(e.value, inp, bad)
+            assert_record_clear()
+        check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
         flashmla_cupy.check_errors()
-    out, lse = _call(inp, meta, splits, False)
-    with pytest.raises(ValueError, match=r"^cache_seqlens\[1\] must be in \[0, "):
+
+
+# --------------------------------------------------------------------------------------------
+# A request split over many SM parts: NaN through the combine kernel
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("what", ["block-in-the-middle", "block-on-the-last-page", "length-2**30", "length--1"])
+def test_bad_value_in_a_request_split_over_many_parts(what):
+    batch = Batch((70000, 10, 10), 1, 128, 1, False, "bf16", 0)
+    inp = make_inputs(np.random.default_rng(13), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
+    assert int(splits[1]) - int(splits[0]) > 2, "request 0 should have several splits"
+    pages = -(-70000 // PAGE)
+    bad = {"block-in-the-middle": BadValue("block_table", 0, -3, column=pages // 2),
+           "block-on-the-last-page": BadValue("block_table", 0, inp.k_cache.shape[0], column=pages - 1),
+           "length-2**30": BadValue("cache_seqlens", 0, 2**30),
+           "length--1": BadValue("cache_seqlens", 0, -1)}[what]
+    write(inp, bad)
+    out, lse = outputs(inp)
+    call(inp, meta, splits, batch.causal, out, lse)
+    with pytest.raises(ValueError) as e:
         flashmla_cupy.check_errors()
-    bad = bad_values(inp, 1, False)[0]
-    check_bad_value_result(inp, bad, out, lse, False, "bf16")
+    check_message(e.value, inp, bad)
+    check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
 
 
-def test_bad_block_id_inside_a_request_split_over_many_parts():
-    """The bad page is read by one split of the request; the combine kernel makes the row NaN."""
-    inp = make_inputs(np.random.default_rng(), [70000, 10, 10], 1, 128, 1, "bf16")
-    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 128, 1)
-    assert int(splits[1]) > 2                                  # request 0 has several splits
-    bad = BadValue("block_table", 0, -3, column=600)
-    apply_bad_value(inp, bad)
-    out, lse = _call(inp, meta, splits, False)
-    with pytest.raises(ValueError, match=r"^block_table\[0, 600\] must be a block of k_cache"):
-        flashmla_cupy.check_errors()
-    check_bad_value_result(inp, bad, out, lse, False, "bf16")
+# --------------------------------------------------------------------------------------------
+# Scheduler metadata that does not belong to the batch
+# --------------------------------------------------------------------------------------------
+
+# (name, edit of (metadata, num_splits, rng), whether the kernels must report it): the batch's
+# request 0 is split, and SM part 0 starts it, so a wrong split index there is always found.
+GARBAGE = [
+    ("num_splits-1e9", lambda m, s, rng: s.fill(10**9), True),
+    ("num_splits--5", lambda m, s, rng: s.fill(-5), True),
+    ("num_splits-tail-1e9", lambda m, s, rng: s[1:].fill(10**9), True),
+    ("num_splits-int32-extremes", lambda m, s, rng: s.__setitem__(slice(None), cupy.asarray(
+        np.resize(np.array([2**31 - 1, -2**31], np.int32), s.shape))), True),
+    ("metadata-begin_req--3", lambda m, s, rng: m[0].__setitem__(0, -3), True),
+    ("metadata-all-idle", lambda m, s, rng: m[:, 0].fill(10**6), False),
+    ("metadata-end-past-batch", lambda m, s, rng: (m[:, 2].fill(10**9), m[:, 3].fill(2**31 - 1)), False),
+    ("metadata-zeros", lambda m, s, rng: m.fill(0), False),
+    # Parts that start at request >= 1 end before they begin: the kernel must not start loading
+    # pages it will never wait for (or, if it does, the loads must land before the CTA exits).
+    ("metadata-end-before-begin", lambda m, s, rng: m[:, 2].fill(0), False),
+    ("metadata-random", lambda m, s, rng: m.__setitem__(slice(None), cupy.asarray(
+        rng.integers(-2**31, 2**31, m.shape, dtype=np.int64).astype(np.int32))), False),
+    ("both-random", lambda m, s, rng: (m.__setitem__(slice(None), cupy.asarray(
+        rng.integers(-4, 40, m.shape).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
+            rng.integers(-4, 200, s.shape).astype(np.int32)))), False),
+]
 
 
-@pytest.mark.parametrize("garbage", ["num_splits-huge", "num_splits-negative", "metadata-begin-negative",
-                                     "metadata-random"])
-def test_metadata_of_another_batch_is_survived_and_reported(garbage):
-    rng = np.random.default_rng()
-    inp = make_inputs(rng, [3000, 100, 5000, 1], 1, 16, 1, "bf16")
+@pytest.mark.parametrize("garbage,edit,reported", GARBAGE, ids=[g[0] for g in GARBAGE])
+def test_metadata_of_another_batch_is_survived_and_reported(garbage, edit, reported):
+    rng = np.random.default_rng(14)
+    inp = make_inputs(rng, [3000, 100, 5000, 1, 0, 700], 1, 16, 1, "bf16")
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 16, 1)
-    if garbage == "num_splits-huge":
-        splits[...] = 10**9
-    elif garbage == "num_splits-negative":
-        splits[2:] = -5
-    elif garbage == "metadata-begin-negative":
-        meta[0, 0] = -3
+    assert int(splits[1]) > 1, "request 0 should have several splits"
+    edit(meta, splits, rng)
+    out, lse = outputs(inp)
+    call(inp, meta, splits, False, out, lse)                    # its outputs are unspecified
+    cupy.cuda.Device().synchronize()                            # the context survived
+    if reported:
+        with pytest.raises(ValueError, match=f"^{SCHEDULE_ERROR}"):
+            flashmla_cupy.check_errors()
     else:
-        meta[...] = cupy.asarray(rng.integers(-2**31, 2**31 - 1, meta.shape, dtype=np.int64).astype(np.int32))
-    _call(inp, meta, splits, False)
-    cupy.cuda.Device().synchronize()                           # the context survived
-    try:
-        flashmla_cupy.check_errors()                          # (random metadata may look valid)
-    except ValueError as e:
-        assert "must come from get_mla_metadata" in str(e) or "must be" in str(e), str(e)
-    out, lse = run_kernel(inp, causal=False)                   # a correct call afterwards
+        try:
+            flashmla_cupy.check_errors()                        # such metadata may look valid
+        except ValueError as e:
+            assert str(e).startswith(SCHEDULE_ERROR), str(e)
+    out, lse = run_kernel(inp, causal=False)                    # a correct call afterwards
     check_against_reference(inp, out, lse, False, "bf16")
     flashmla_cupy.check_errors()
 
 
-def test_bad_value_inside_a_cuda_graph():
-    inp = make_inputs(np.random.default_rng(), [500, 1000, 64], 2, 64, 1, "bf16")
-    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 128, 1)
-    out, lse = poisoned((3, 2, 64, 512), inp.q.dtype), poisoned((3, 64, 2), np.float32)
-    ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
-    stream = cupy.cuda.Stream(non_blocking=True)
-
-    def call():
-        flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
-                                             splits, causal=True, out=out, lse=lse, workspace=ws)
-
-    with stream:
-        call()
-        stream.begin_capture()
-        call()
-        graph = stream.end_capture()
-        good_table = inp.block_table.copy()
-        bad = bad_values(inp, 1, True)[-1]                     # block_table[1, 0] = -2**31
-        assert (bad.argument, bad.column, bad.value) == ("block_table", 0, -2**31)
-        apply_bad_value(inp, bad)
-        graph.launch(stream)
-        stream.synchronize()
-        check_bad_value_result(inp, bad, out, lse, True, "bf16")
-        with pytest.raises(ValueError, match=r"^block_table\[1, 0\]"):
-            call()                                             # the next eager call reports the replay's error
-        inp.block_table[...] = good_table
-        graph.launch(stream)
-        stream.synchronize()
-    check_against_reference(inp, out, lse, True, "bf16")
+def test_metadata_of_another_batch_raises_at_the_call_in_sync_mode():
+    inp = make_inputs(np.random.default_rng(15), [3000, 100, 5000, 1], 1, 16, 1, "bf16")
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 16, 1)
+    splits.fill(10**9)
+    out, lse = outputs(inp)
+    with flashmla_cupy.value_checks("sync"), pytest.raises(ValueError, match=f"^{SCHEDULE_ERROR}"):
+        call(inp, meta, splits, False, out, lse)
     flashmla_cupy.check_errors()
 
 
+# --------------------------------------------------------------------------------------------
+# CUDA graphs: replays read the buffers' current values, and record what they find
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_bad_value_in_a_cuda_graph(mode):
+    batch = Batch((500, 1000, 64, 3000, 0, 200), 2, 64, 1, True, "bf16", 1)
+    inp = make_inputs(np.random.default_rng(16), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
+    out, lse = outputs(inp)
+    ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
+    bad = BadValue("block_table", 1, -2**31, column=0)
+    good = good_value(inp, bad)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with flashmla_cupy.value_checks(mode), stream:
+        call(inp, meta, splits, batch.causal, out, lse, workspace=ws)    # warm: modules loaded, plan built
+        stream.synchronize()
+        write(inp, bad)                                         # the bad value is in the buffer at capture
+        stream.begin_capture()
+        call(inp, meta, splits, batch.causal, out, lse, workspace=ws)    # "sync" does not synchronize here
+        graph = stream.end_capture()
+        out[...] = SENTINEL
+        lse[...] = SENTINEL
+        graph.launch(stream)
+        stream.synchronize()
+        check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
+        with pytest.raises(ValueError) as e:                    # the next eager call reports the replay's error
+            flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv, stream=stream)
+        check_message(e.value, inp, bad)
+        write(inp, bad, good)                                   # fixed in place: the next replay is right
+        graph.launch(stream)
+        stream.synchronize()
+    check_against_reference(inp, out, lse, batch.causal, batch.dtype)
+    flashmla_cupy.check_errors()
+
+
+# --------------------------------------------------------------------------------------------
+# Last: the CUDA context survived everything above
+# --------------------------------------------------------------------------------------------
+
 def test_context_is_healthy_after_everything_above():
-    inp = make_inputs(np.random.default_rng(), [4096] * 4, 2, 128, 1, "fp16")
-    out, lse = run_kernel(inp, causal=True)
-    check_against_reference(inp, out, lse, True, "fp16")
+    for dtype in ("bf16", "fp16"):
+        inp = make_inputs(np.random.default_rng(17), [4096, 1, 0, 777, 64, 65] * 2, 2, 128, 1, dtype)
+        out, lse = run_kernel(inp, causal=True)                 # garbage in unused block-table columns
+        check_against_reference(inp, out, lse, True, dtype)
     flashmla_cupy.check_errors()

@@ -6,14 +6,19 @@ One line per shape (max errors, cos_diff; the tests' criteria, flashmla_cupy.tes
 status 1 if any shape fails. Small enough to run under compute-sanitizer (tools/sanitize.sh uses
 --set sanitizer, and --set bad-values for memcheck).
 
-``--set bad-values``: for a few batches, every kind of bad length and block id
-(``flashmla_cupy.testing.bad_values``) in one request, called with value checks "async": the
-request's out and lse must be all NaN, the others must match the reference, and the error must
-be raised by ``check_errors()`` naming the argument, index and value.
+``--set bad-values`` (value checks "async"; --range slices its 6 items): for four batches, every
+kind of bad length and block id (``flashmla_cupy.testing.bad_values``) in one request: the
+request's out and lse must be all NaN (they start finite), the others must match the reference,
+and ``check_errors()`` must raise the error naming the argument, index and value; a negative
+length into get_mla_metadata (reported there, then NaN rows and reported by the call); metadata
+of another batch (garbage num_splits and part ranges): reported where the kernels can tell, and
+a correct call afterwards is right. Under compute-sanitizer memcheck this shows that no bad
+value makes a kernel touch memory outside its arrays.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -21,8 +26,8 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy.testing import (apply_bad_value, bad_values, check_against_reference, check_bad_value_result,
-                                   make_inputs, poisoned, run_kernel)
+from flashmla_cupy.testing import (BadValue, apply_bad_value, bad_values, check_against_reference,
+                                   check_bad_value_result, make_inputs, run_kernel)
 
 # (seqlens, s_q, h_q, h_kv, causal)
 SHAPES = {
@@ -61,10 +66,61 @@ SHAPES = {
 
 # (seqlens, s_q, h_q, h_kv, causal, request given the bad values)
 BAD_VALUE_BATCHES = [
-    ([100, 200, 300, 64], 1, 16, 1, False, 1),
-    ([1000, 5, 2000], 2, 128, 1, True, 2),
-    ([70000, 10, 10], 1, 128, 1, False, 0),     # the request is split over many SM parts: combine
+    ([100, 200, 300, 64, 0, 1000], 1, 16, 1, False, 2),
+    ([1000, 5, 2000, 64, 130, 1], 2, 128, 1, True, 2),     # the request is split: combine
+    ([129, 3000, 64, 65, 1, 900], 2, 32, 2, False, 5),     # two KV heads
+    ([70000, 10, 10], 1, 128, 1, False, 0),                # split over many SM parts
 ]
+SENTINEL = 0.5      # out and lse start finite: NaN must come from the kernels
+SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_metadata"
+
+# Scheduler metadata of another batch (name, edit of (metadata, num_splits, rng), reported):
+# request 0 of FOREIGN_BATCH is split and SM part 0 starts it, so the reported ones always are.
+FOREIGN_BATCH = ([3000, 100, 5000, 1, 0, 700], 1, 16, 1, False)
+FOREIGN_METADATA = [
+    ("num_splits = 10**9", lambda m, s, rng: s.fill(10**9), True),
+    ("num_splits = -5", lambda m, s, rng: s.fill(-5), True),
+    ("num_splits[1:] = 10**9", lambda m, s, rng: s[1:].fill(10**9), True),
+    ("begin_req = -3", lambda m, s, rng: m[0].__setitem__(0, -3), True),
+    ("every part idle", lambda m, s, rng: m[:, 0].fill(10**6), False),
+    ("end_req past the batch", lambda m, s, rng: (m[:, 2].fill(10**9), m[:, 3].fill(2**31 - 1)), False),
+    ("end_req before begin_req", lambda m, s, rng: m[:, 2].fill(0), False),
+    ("metadata random", lambda m, s, rng: m.__setitem__(slice(None), cupy.asarray(
+        rng.integers(-2**31, 2**31, m.shape, dtype=np.int64).astype(np.int32))), False),
+    ("both random, small", lambda m, s, rng: (m.__setitem__(slice(None), cupy.asarray(
+        rng.integers(-4, 40, m.shape).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
+            rng.integers(-4, 200, s.shape).astype(np.int32)))), False),
+]
+
+
+def finite_outputs(b, s_q, h_q, dtype):
+    out = cupy.full((b, s_q, h_q, 512), SENTINEL, dtype=np.float32).astype(dtype)
+    return out, cupy.full((b, h_q, s_q), SENTINEL, dtype=np.float32)
+
+
+def raised_by(fn) -> str | None:
+    """The message of the ValueError that ``fn()`` raises, or None."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def call(inp, meta, splits, causal, out, lse):
+    flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                         meta, splits, causal=causal, out=out, lse=lse)
+
+
+def check_result(inp, bad, out, lse, causal, dtype, host_reference: bool) -> None:
+    if host_reference:
+        inp, out, lse = inp.to_host(), cupy.asnumpy(out), cupy.asnumpy(lse)
+    check_bad_value_result(inp, bad, out, lse, causal, dtype)
+
+
+def check_error(raised: str | None, start: str, value: int) -> None:
+    assert raised is not None, "no error raised"
+    assert raised.startswith(start) and re.search(rf"; got {value}(?!\d)", raised), f"wrong error: {raised}"
 
 
 def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_reference: bool):
@@ -77,28 +133,80 @@ def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_
         base.cache_seqlens[...] = good_lengths
         base.block_table[...] = good_table
         apply_bad_value(base, bad)
-        b = len(seqlens)
-        out, lse = poisoned((b, s_q, h_q, 512), base.q.dtype), poisoned((b, h_q, s_q), np.float32)
+        out, lse = finite_outputs(len(seqlens), s_q, h_q, base.q.dtype)
         with flashmla_cupy.value_checks("async"):
-            flashmla_cupy.flash_mla_with_kvcache(base.q, base.k_cache, base.block_table, base.cache_seqlens, 512,
-                                                 meta, splits, causal=causal, out=out, lse=lse)
-            try:
-                flashmla_cupy.check_errors()
-                raised = None
-            except ValueError as e:
-                raised = str(e)
-        label = f"{dtype} b={b} s_q={s_q} h_q={h_q} causal={int(causal)} {bad.describe()}"
+            call(base, meta, splits, causal, out, lse)
+            raised = raised_by(flashmla_cupy.check_errors)
+        label = (f"{dtype} b={len(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={int(causal)} "
+                 f"{bad.describe()}")
         try:
-            assert raised is not None, "no error raised"
-            assert raised.startswith(bad.message) and str(bad.value) in raised, f"wrong error: {raised}"
-            case = base.to_host() if host_reference else base
-            got = (cupy.asnumpy(out), cupy.asnumpy(lse)) if host_reference else (out, lse)
-            check_bad_value_result(case, bad, *got, causal, dtype)
+            check_error(raised, bad.message, bad.value)
+            check_result(base, bad, out, lse, causal, dtype, host_reference)
         except AssertionError as e:
             results.append((False, label, str(e)))
             continue
         results.append((True, label, "NaN rows, others match, error raised"))
     return results
+
+
+def check_negative_length(dtype, rng, host_reference: bool):
+    """A negative length into get_mla_metadata (reported, scheduled as 0), then into the call
+    (NaN rows for the request, reported again)."""
+    seqlens, s_q, h_q, causal = [300, 100, 5000, 64, 0, 2], 2, 16, True
+    inp = make_inputs(rng, seqlens, s_q, h_q, 1, dtype)
+    bad = BadValue("cache_seqlens", 1, -5)
+    apply_bad_value(inp, bad)
+    out, lse = finite_outputs(len(seqlens), s_q, h_q, inp.q.dtype)
+    with flashmla_cupy.value_checks("async"):
+        meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+        from_metadata = raised_by(flashmla_cupy.check_errors)
+        call(inp, meta, splits, causal, out, lse)
+        from_call = raised_by(flashmla_cupy.check_errors)
+    label = f"{dtype} get_mla_metadata and the call with {bad.describe()}"
+    try:
+        check_error(from_metadata, "cache_seqlens[1] must be >= 0", -5)
+        check_error(from_call, bad.message, -5)
+        check_result(inp, bad, out, lse, causal, dtype, host_reference)
+    except AssertionError as e:
+        return [(False, label, str(e))]
+    return [(True, label, "reported twice, NaN rows, others match")]
+
+
+def check_foreign_metadata(dtype, rng, host_reference: bool):
+    """Metadata of another batch: the kernels stay inside their arrays and report what they can;
+    a correct call afterwards is right."""
+    seqlens, s_q, h_q, h_kv, causal = FOREIGN_BATCH
+    inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
+    results = []
+    for name, edit, reported in FOREIGN_METADATA:
+        label = f"{dtype} b={len(seqlens)} s_q={s_q} h_q={h_q} metadata of another batch: {name}"
+        with flashmla_cupy.value_checks("async"):
+            meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q // h_kv, h_kv)
+            edit(meta, splits, rng)
+            call(inp, meta, splits, causal, *finite_outputs(len(seqlens), s_q, h_q, inp.q.dtype))
+            raised = raised_by(flashmla_cupy.check_errors)
+            out, lse = run_kernel(inp, causal)
+            after = raised_by(flashmla_cupy.check_errors)
+        try:
+            assert raised is not None or not reported, "no error raised"
+            assert raised is None or raised.startswith(SCHEDULE_ERROR), f"wrong error: {raised}"
+            assert after is None, f"error from a correct call: {after}"
+            case, got = (inp.to_host(), (cupy.asnumpy(out), cupy.asnumpy(lse))) if host_reference else (inp, (out, lse))
+            check_against_reference(case, *got, causal, dtype)
+        except AssertionError as e:
+            results.append((False, label, str(e)))
+            continue
+        results.append((True, label, ("reported" if raised else "not reported") + "; the next correct call is right"))
+    return results
+
+
+# --set bad-values: (what, function(dtype, rng, host_reference) -> [(ok, label, message)])
+BAD_VALUE_SET = [
+    *((f"bad values b={len(b[0])}", lambda dtype, rng, host, b=b: check_bad_values(*b, dtype, rng, host))
+      for b in BAD_VALUE_BATCHES),
+    ("negative length into get_mla_metadata", check_negative_length),
+    ("metadata of another batch", check_foreign_metadata),
+]
 
 
 def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, host_reference: bool) -> tuple[bool, str]:
@@ -131,8 +239,8 @@ def main() -> int:
     for dtype in (["bf16", "fp16"] if args.dtype == "both" else [args.dtype]):
         start, stop = (int(x) if x else None for x in args.range.split(":"))
         if args.set == "bad-values":
-            for batch in BAD_VALUE_BATCHES[start:stop]:
-                for ok, label, msg in check_bad_values(*batch, dtype, rng, args.host_reference):
+            for _, check_items in BAD_VALUE_SET[start:stop]:
+                for ok, label, msg in check_items(dtype, rng, args.host_reference):
                     failures += not ok
                     print(f"{'ok  ' if ok else 'FAIL'} {label:<70} {msg}", flush=True)
             continue
