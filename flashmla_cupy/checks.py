@@ -151,7 +151,7 @@ def checked_softmax_scale(value, default: float, positive: bool) -> float:
 
 
 def require_hopper(device_id: int) -> dict:
-    """The device's properties (``launch.device_properties``) if it is a Hopper GPU."""
+    """The device's properties (``driver.device_properties``) if it is a Hopper GPU."""
     from .driver import device_properties
 
     props = device_properties(device_id)

@@ -51,7 +51,9 @@ __device__ __forceinline__ int pages_of(int tokens) {
 // {begin_req, begin_token, end_req, end_token}; `whole`: the range covers the whole request (its
 // output is final, else a split for the combine kernel). Causal: pages no row of the block sees
 // are dropped. `bad`: the request's length is outside [0, 64 * block_table columns]; it then
-// reads nothing. The range never extends past the request's length, whatever the metadata says.
+// reads nothing, and whether its output is final or a split is what num_splits says (the
+// combine kernel merges exactly the requests with several splits). The range never extends past
+// the request's length, whatever the metadata says.
 struct RequestSpan {
     int seqlen, first_page, end_page;
     bool whole, bad;
@@ -65,7 +67,8 @@ __device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int 
     const int seq_pages = pages_of(r.seqlen);
     r.first_page = req == range.x ? max(range.y, 0) / kPageBlock : 0;
     r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), seq_pages) : seq_pages;
-    r.whole = r.first_page == 0 && r.end_page == seq_pages;
+    r.whole = r.bad ? (long long)p.num_splits[req + 1] - p.num_splits[req] <= 1
+                    : r.first_page == 0 && r.end_page == seq_pages;
     if (p.causal) {
         // The last row has the shortest mask; pages past its limit are skipped and rows with
         // longer masks are cut by RowState::right_border (rows of one block differ by < 64
@@ -316,8 +319,8 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
     const int4 range = *reinterpret_cast<const int4*>(meta);   // begin_req, begin_token, end_req, end_token
     const int begin_req = range.x, end_req = min(range.z, p.batch - 1);
     if (begin_req >= p.batch) return;                          // an idle part
-    if (begin_req < 0) {
-        if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, begin_req, 0, begin_req, p.batch);
+    if (begin_req < 0 || end_req < begin_req) {                // not this batch's metadata: nothing loaded yet
+        if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, begin_req, 0, range.z, p.batch);
         return;
     }
     const int begin_split = meta[4];
@@ -372,10 +375,11 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
         out.kv_head = cta.kv_head;
         out.m_block = cta.m_block;
         out.num_rows = min(p.q_rows - cta.m_block * kBlockM, kBlockM);
-        out.split_idx = span.whole ? -1 : p.num_splits[req] + (req == begin_req ? begin_split : 0);
+        const long long split = (long long)p.num_splits[req] + (req == begin_req ? begin_split : 0);
+        out.split_idx = span.whole ? -1 : static_cast<int>(split);
         out.bad = span.bad || st.bad_request[req & 1];         // set before reduce_row_sums' barrier
-        if (!span.whole && static_cast<unsigned>(out.split_idx) >= static_cast<unsigned>(p.total_splits)) {
-            if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, out.split_idx, p.total_splits);
+        if (!span.whole && (split < 0 || split >= p.total_splits)) {
+            if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, static_cast<int>(split), p.total_splits);
             out.num_rows = 0;                                   // nowhere valid to write
         }
         // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
