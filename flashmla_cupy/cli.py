@@ -18,6 +18,8 @@ examples:
   flashmla-cupy                              full seed grid (b 128; s_k 4096/8192/16384; h_q 16-128; s_q 1, 2; varlen off/on)
   flashmla-cupy profile --quick --check      four shapes, with the error against a float64 reference
   flashmla-cupy profile --heads 128 --s-q 1 --varlen off --baseline cupy --csv out.csv --plot out.png
+  flashmla-cupy profile --quick --inputs torch --baseline flash_mla    torch tensors, FlashMLA side by side
+  flashmla-cupy profile --quick --value-checks off                   the default call without value checks
   flashmla-cupy profile attention            the minimal FlashAttention kernel against manual attention
   flashmla-cupy compile --arch sm_90a        build every kernel without a GPU
 """
@@ -55,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser(
         "profile", help="time the kernels against the measured hardware ceilings (default)",
         description="Time each shape (CUDA events, L2 flushed, warm-up first) and compare with the copy-"
-                    "bandwidth and matmul ceilings measured in the same run.",
+                    "bandwidth and matmul ceilings measured in the same run. MLA: what is timed is the call "
+                    "users make (default arguments, value checks in their current mode) on CuPy arrays, or on "
+                    "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("what", nargs="?", choices=("mla", "attention"), default="mla",
                     help="mla: paged MLA decoding, the seed's grid (default); "
@@ -97,15 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     o = pr.add_argument_group("comparison and output")
     o.add_argument("--baseline", choices=("flash_mla", "cupy", "none"), default="none",
-                   help="MLA: also time FlashMLA's own call (flash_mla, when importable: the seed's or "
-                        "upstream's API) or the plain CuPy implementation (flashmla_cupy.baselines) on the "
-                        "same buffers and show the speed-up; attention always compares with manual attention")
+                   help="MLA: also time another implementation on the same buffers in the same process, "
+                        "with a speed-up column (its time / ours): flash_mla = FlashMLA's own "
+                        "flash_mla_with_kvcache (the flash_mla package, seed or upstream API; skipped with the "
+                        "reason when it is not importable), cupy = the plain CuPy implementation "
+                        "(flashmla_cupy.baselines); default none. attention always compares with manual attention")
     o.add_argument("--inputs", choices=("cupy", "torch"), default="cupy",
-                   help="MLA: call flashmla-cupy on CuPy arrays (flash_mla_with_kvcache) or on torch tensors "
-                        "through the drop-in flashmla_cupy.flash_mla (default cupy)")
+                   help="MLA: what the timed call gets: cupy = CuPy arrays, flashmla_cupy.flash_mla_with_kvcache "
+                        "(default); torch = torch tensors viewing the same buffers (DLPack), through the drop-in "
+                        "flashmla_cupy.flash_mla, on torch's current stream (needs torch with CUDA)")
     o.add_argument("--value-checks", dest="value_checks", choices=("async", "sync", "off"), default=None,
-                   help="MLA: value check mode during the run (default: the library's, async unless "
-                        "FLASHMLA_CUPY_VALUE_CHECKS says otherwise)")
+                   help="MLA: value check mode of the timed calls (see the README's Value checks): async "
+                        "(records bad values, raises at the next call), sync (synchronizes after each call), "
+                        "off; default: the library's current mode (async unless FLASHMLA_CUPY_VALUE_CHECKS "
+                        "says otherwise). The mode is in the header and the JSON")
     o.add_argument("--check", action="store_true",
                    help="error against the float64 reference (cos_diff, max |error|) for every target")
     o.add_argument("--csv", metavar="PATH", help="write every number (seed columns name,batch,seqlen,head,bw first)")
@@ -188,6 +197,15 @@ def _attention_shapes(args):
     return shapes
 
 
+def select_targets(kind: str, inputs: str, baseline: str) -> tuple[str, str | None]:
+    """``(main target, baseline target or None)`` for ``profile``'s options."""
+    from .profiler import targets
+
+    if kind == "mla":
+        return targets.MAIN_MLA_TARGETS[inputs], (None if baseline == "none" else baseline)
+    return targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
+
+
 def cmd_profile(args) -> int:
     from .profiler import report, runner, targets
     from .profiler.env import NoGPU, environment
@@ -199,26 +217,24 @@ def cmd_profile(args) -> int:
         shape_list = _mla_shapes(args) if kind == "mla" else _attention_shapes(args)
     except ValueError as e:
         raise _fail("profile", str(e)) from None
-    from .errors import set_value_checks, value_check_mode
+    from . import value_check_mode
 
-    if args.value_checks:
-        set_value_checks(args.value_checks)
-    if kind == "mla":
-        main_t = targets.MAIN_MLA_TARGETS[args.inputs]
-        baseline = None if args.baseline == "none" else args.baseline
-    else:
-        main_t, baseline = targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
+    main_t, baseline = select_targets(kind, args.inputs, args.baseline)
     names = [main_t] + ([baseline] if baseline else [])
     config = runner.RunConfig(targets=names, baseline=baseline, repeats=args.repeats, warmup=args.warmup,
                               budget_s=args.budget, graph=args.graph, flush=args.flush, check=args.check,
                               seed=args.seed, device=args.device, measure_ceilings=args.ceilings,
                               matmul_dtype="bf16" if kind == "mla" else "fp32", inputs=args.inputs,
-                              value_checks=value_check_mode())
+                              value_checks=(args.value_checks or value_check_mode()) if kind == "mla" else None)
     try:
         gpu = runner.require_device(config, need_hopper=(kind == "mla"))
     except NoGPU as e:
         raise _fail("profile", f"{e}. `flashmla-cupy info` shows the environment; "
                                "`flashmla-cupy compile --arch sm_90a` builds the kernels without a GPU.") from None
+    if kind == "mla":
+        why = targets.MLA_TARGETS[main_t].requires()
+        if why:
+            raise _fail("profile", f"--inputs {args.inputs} cannot run here: {why}")
 
     out = _console()
     err = _console(stderr=True)
@@ -238,13 +254,17 @@ def cmd_profile(args) -> int:
         out.print(f"[bold cyan]Ceiling[/] {line}", highlight=False)
     title = (f"MLA decoding, {shape_list[0].dtype}, {'causal' if shape_list[0].causal else 'non-causal'}, "
              f"h_kv {shape_list[0].h_kv}" if kind == "mla" else "attention, float32")
-    others = [n for n in names if n != main_t]
+    others = [n for n in names if n != main_t and n not in result.skipped_targets]
     table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others, title=title)
     out.print(table)
     if args.check:
-        out.print(report.check_table(result.records, kind=kind, targets=names))
+        out.print(report.check_table(result.records, kind=kind, targets=[main_t, *others]))
     for e in errors:
         out.print(f"[red]error[/] {e}", highlight=False)
+    for n in [main_t, *others]:           # a note shared by all of a target's rows, e.g. FlashMLA's API
+        notes = {r.get("notes") for r in result.records if r["name"] == n and "ms_median" in r}
+        if len(notes) == 1 and None not in notes:
+            out.print(f"[cyan]note[/] {n}: {notes.pop()}", highlight=False)
     for n, why in result.skipped_targets.items():
         out.print(f"[yellow]skipped[/] {n}: {why}", highlight=False)
     if result.interrupted:

@@ -254,7 +254,10 @@ def test_seed_layout_inputs_on_numpy():
 
 class FakeSession:
     """Stands in for ``runner.CudaSession``: calls the target like the timer does, reports fixed
-    times (the baseline 10x slower) and the anchor run's ceilings."""
+    times (the baselines 10x slower) and the anchor run's ceilings."""
+
+    SLOW = ("cupy", "flash_mla")
+    stream = "profiler-stream"
 
     def __init__(self, config):
         self.config, self.flush, self.calls = config, None, 0
@@ -271,14 +274,16 @@ class FakeSession:
     def time(self, fn):
         fn()
         self.calls += 1
-        scale = 10.0 if self.current == "cupy" else 1.0
+        scale = 10.0 if self.current in self.SLOW else 1.0
         return [scale * x for x in (0.20, 0.21, 0.22, 0.25, 0.19)]
 
     def free(self):
         pass
 
 
-def _numpy_mla_workload(session: FakeSession, broken: bool = False):
+def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[str, ...] = ()):
+    """The MLA workload on NumPy: ``flashmla`` and ``cupy`` run the plain baseline; the targets
+    named in ``real`` are the profiler's own (``targets.MLA_TARGETS``), with their requires()."""
     def tracked(name, setup):
         def wrapped(inp):
             session.current = name
@@ -291,6 +296,9 @@ def _numpy_mla_workload(session: FakeSession, broken: bool = False):
         "flashmla": targets.Target("flashmla", "stand-in", tracked("flashmla", targets.setup_cupy_baseline)),
         "cupy": targets.Target("cupy", "plain baseline", tracked("cupy", targets.setup_cupy_baseline)),
     }
+    for name in real:
+        t = targets.MLA_TARGETS[name]
+        table[name] = dataclasses.replace(t, setup=tracked(name, t.setup))
     return runner.Workload("mla", table, functools.partial(inputs.make_mla_inputs, xp=np),
                            runner._mla_reference, runner._mla_compare, shapes.mla_flops, shapes.mla_bytes,
                            runner._mla_fields)
@@ -473,15 +481,207 @@ def test_header_lines_name_the_method():
 
 
 def test_method_names_the_default_call_its_inputs_and_value_check_mode():
-    for inputs, mode, words in (("cupy", "async", "CuPy arrays"), ("torch", "sync", "torch tensors")):
-        config = runner.RunConfig(targets=[targets.MAIN_MLA_TARGETS[inputs]], inputs=inputs, value_checks=mode)
+    import flashmla_cupy
+
+    for inputs_, mode, words in (("cupy", "async", "CuPy arrays"), ("torch", "sync", "torch tensors")):
+        config = runner.RunConfig(targets=[targets.MAIN_MLA_TARGETS[inputs_]], inputs=inputs_, value_checks=mode)
         method = runner.method_description(config, 50 << 20, "mla")
-        assert "default call" in method["timed"] and words in method["timed"] and f"'{mode}'" in method["timed"]
-        assert (method["inputs"], method["value_checks"]) == (inputs, mode)
+        assert f"default call: value checks in their current mode ({mode})" in method["timed"]
+        assert words in method["timed"] and "split-KV + combine" in method["timed"]
+        assert (method["inputs"], method["value_checks"]) == (inputs_, mode) and "baseline" not in method
+    with flashmla_cupy.value_checks("off"):              # not configured: the library's current mode
+        method = runner.method_description(runner.RunConfig(targets=["flashmla"]), 50 << 20, "mla")
+    assert "current mode (off)" in method["timed"] and method["value_checks"] == "off"
+    config = runner.RunConfig(targets=["flashmla", "flash_mla"], baseline="flash_mla", graph=True,
+                              value_checks="sync")
+    method = runner.method_description(config, 50 << 20, "mla")
+    assert "not synchronizing inside the graph" in method["timed"]
+    assert method["baseline"].startswith("flash_mla: FlashMLA's own flash_mla_with_kvcache")
+    assert "speed-up = its median / flashmla's" in method["baseline"]
+    rows = dict(report.header_lines({"versions": {}, "gpu": {}}, method, kind="mla", seed=0))
+    assert rows["Baseline"] == method["baseline"]
+    attention = runner.method_description(runner.RunConfig(targets=["flash_attn_minimal"]), 50 << 20, "attention")
+    assert "value_checks" not in attention and "inputs" not in attention
+
+
+def test_run_uses_the_configured_value_check_mode_and_restores_it():
+    import flashmla_cupy
+
+    before = flashmla_cupy.value_check_mode()
+    wanted = "off" if before != "off" else "sync"
+    seen = []
+
+    def setup(inp):
+        seen.append(flashmla_cupy.value_check_mode())
+        return targets.setup_cupy_baseline(inp)
+
+    config = runner.RunConfig(targets=["flashmla"], value_checks=wanted)
+    session = FakeSession(config)
+    session.current = "flashmla"
+    work = dataclasses.replace(_numpy_mla_workload(session), table={"flashmla": targets.Target("flashmla", "", setup)})
+    result = runner.run(work, _small_grid()[:2], config, gpu={}, session=session)
+    assert seen == [wanted, wanted] and result.method["value_checks"] == wanted
+    assert flashmla_cupy.value_check_mode() == before
+
+
+# --------------------------------------------------------------------------------------------
+# --inputs torch and --baseline flash_mla, on the CPU: torch tensors on the host, a stand-in
+# FlashMLA module in each API generation (the GPU runs are at the end)
+# --------------------------------------------------------------------------------------------
+
+def _fp16_grid():
+    return shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), s_qs=(1, 2), varlens=(False, True),
+                           dtype="fp16")
+
+
+def _reference_call(torch, q, k_cache, block_table, cache_seqlens, head_dim_v, causal):
+    out, lse = reference.mla_decode(q.numpy(), k_cache.numpy(), block_table.numpy(), cache_seqlens.numpy(),
+                                    head_dim_v, causal=causal)
+    return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).float()
+
+
+def _stand_in_flash_mla(api: str, calls: list):
+    """A module with FlashMLA's functions in the seed's (2025-04) or upstream's (9241ae3) form."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    mod = types.ModuleType("flash_mla")
+    mod.__version__ = f"stand-in-{api}"
+    if api == "seed":
+        def get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k):
+            assert isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
+            calls.append(("metadata", num_heads_per_head_k, num_heads_k))
+            return "seed-metadata", "seed-splits"
+
+        def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                   num_splits, softmax_scale=None, causal=False):
+            assert (tile_scheduler_metadata, num_splits) == ("seed-metadata", "seed-splits")
+            calls.append(("call", head_dim_v, causal))
+            return _reference_call(torch, q, k_cache, block_table, cache_seqlens, head_dim_v, causal)
+    else:
+        class FlashMLASchedMeta:
+            have_initialized = False
+
+        def get_mla_metadata(*args, **kwargs):
+            calls.append(("metadata", *args, *kwargs))
+            return FlashMLASchedMeta(), None
+
+        def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                   num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                                   indices=None):
+            assert isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and num_splits is None
+            calls.append(("call", head_dim_v, causal, tile_scheduler_metadata.have_initialized))
+            tile_scheduler_metadata.have_initialized = True
+            return _reference_call(torch, q, k_cache, block_table, cache_seqlens, head_dim_v, causal)
+    mod.get_mla_metadata, mod.flash_mla_with_kvcache = get_mla_metadata, flash_mla_with_kvcache
+    return mod
+
+
+@pytest.fixture
+def torch_on_cpu(monkeypatch):
+    """torch targets on host tensors: requires() passes, no CUDA device or stream switch, results
+    come back as NumPy arrays. Returns ``(torch, streams the targets were timed on, DLPack calls)``."""
+    import contextlib
+
+    torch = pytest.importorskip("torch")
+    streams, dlpack_calls = [], []
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        streams.append(stream)
+        yield
+
+    real_from_dlpack = torch.from_dlpack
+
+    def from_dlpack(x):
+        dlpack_calls.append(x)
+        return real_from_dlpack(x)
+
+    monkeypatch.setattr(targets, "_requires_torch", lambda: None)
+    monkeypatch.setattr(targets, "_torch_device", lambda inp: contextlib.nullcontext())
+    monkeypatch.setattr(targets, "_torch_on_stream", on_stream)
+    monkeypatch.setattr(targets, "_as_cupy", lambda result: tuple(x.float().numpy() for x in result))
+    monkeypatch.setattr(torch, "from_dlpack", from_dlpack)
+    return torch, streams, dlpack_calls
+
+
+def test_flash_mla_api_generation_is_read_from_get_mla_metadata():
+    calls = []
+    assert targets.flash_mla_api(_stand_in_flash_mla("seed", calls)) == "seed"
+    assert targets.flash_mla_api(_stand_in_flash_mla("upstream", calls)) == "upstream"
+
+    class NoSignature:                       # e.g. a compiled function: the seed's form
+        get_mla_metadata = object()
+    assert targets.flash_mla_api(NoSignature) == "seed"
+
+
+@pytest.mark.parametrize("api", ["seed", "upstream"])
+def test_flash_mla_baseline_beside_the_default_call(monkeypatch, torch_on_cpu, api):
+    _, streams, _ = torch_on_cpu
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_mla", _stand_in_flash_mla(api, calls))
+    config = runner.RunConfig(targets=["flashmla", "flash_mla"], baseline="flash_mla", check=True)
+    session = FakeSession(config)
+    grid = _fp16_grid()
+    result = runner.run(_numpy_mla_workload(session, real=("flash_mla",)), grid, config, gpu={}, session=session)
+    assert len(result.records) == 2 * len(grid) and not result.skipped_targets
+    for r in result.records:
+        assert "error" not in r, r.get("error")
+        assert r["check_ok"] is True, r
+    fm = [r for r in result.records if r["name"] == "flash_mla"]
+    assert all(r["notes"] == f"FlashMLA {api} API (flash_mla stand-in-{api})" for r in fm)
+    main = [r for r in result.records if r["name"] == "flashmla"]
+    assert all(r["speedup"] == pytest.approx(10.0) and r["speedup_vs"] == "flash_mla" for r in main)
+    assert streams == ["profiler-stream"] * len(grid)            # timed on the profiler's stream
+    if api == "seed":
+        assert [c for c in calls if c[0] == "metadata"] == [("metadata", s.s_q * 16, 1) for s in grid]
+        assert all(c == ("call", 512, True) for c in calls if c[0] == "call")
+    else:
+        assert [c for c in calls if c[0] == "metadata"] == [("metadata",)] * len(grid)
+        # per shape: the setup call fills the schedule, the timed call reuses it
+        assert [c[3] for c in calls if c[0] == "call"] == [False, True] * len(grid)
+    table, errors = report.results_table(result.records, kind="mla", main="flashmla", others=["flash_mla"])
+    from rich.console import Console
+    console = Console(record=True, width=250)
+    console.print(table)
+    text = console.export_text()
+    assert not errors and "flash_mla" in text and "10.0×" in text
+
+
+def test_torch_inputs_time_the_drop_in_on_views_made_once_per_shape(monkeypatch, torch_on_cpu):
+    from flashmla_cupy import flash_mla as drop_in
+
+    _, streams, dlpack_calls = torch_on_cpu
+    calls, fm_calls = [], []
+    seed = _stand_in_flash_mla("seed", calls)
+    monkeypatch.setattr(drop_in, "get_mla_metadata", seed.get_mla_metadata)
+    monkeypatch.setattr(drop_in, "flash_mla_with_kvcache", seed.flash_mla_with_kvcache)
+    monkeypatch.setitem(sys.modules, "flash_mla", _stand_in_flash_mla("upstream", fm_calls))
+    config = runner.RunConfig(targets=["flashmla_torch", "flash_mla"], baseline="flash_mla", check=True,
+                              inputs="torch")
+    session = FakeSession(config)
+    grid = _fp16_grid()
+    result = runner.run(_numpy_mla_workload(session, real=("flashmla_torch", "flash_mla")), grid, config,
+                        gpu={}, session=session)
+    assert all("error" not in r and r["check_ok"] for r in result.records), result.records
+    assert len([c for c in calls if c[0] == "call"]) == 2 * len(grid)         # the drop-in: setup + timed
+    assert len(dlpack_calls) == 4 * len(grid)                                 # q, k_cache, table, seqlens
+    assert streams == ["profiler-stream"] * (2 * len(grid))
+    main = [r for r in result.records if r["name"] == "flashmla_torch"]
+    assert all(r["speedup"] == pytest.approx(10.0) and r["speedup_vs"] == "flash_mla" for r in main)
 
 
 def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
     import builtins
+    import types
+
+    from flashmla_cupy import flash_mla as drop_in
+
+    def reasons():
+        out = {n: targets.MLA_TARGETS[n].requires() for n in ("flashmla_torch", "flash_mla")}
+        assert all(why is None or "\n" not in why for why in out.values())
+        return out
+
     real_import = builtins.__import__
 
     def no_torch(name, *args, **kwargs):
@@ -489,22 +689,49 @@ def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
             raise ImportError(f"No module named '{name}'")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_torch)
-    monkeypatch.delitem(sys.modules, "torch", raising=False)
-    monkeypatch.delitem(sys.modules, "flash_mla", raising=False)
-    for name in ("flashmla_torch", "flash_mla"):
-        why = targets.MLA_TARGETS[name].requires()
-        assert why and "torch is not importable" in why, why
+    with monkeypatch.context() as m:                                   # torch missing
+        m.setattr(builtins, "__import__", no_torch)
+        m.delitem(sys.modules, "torch", raising=False)
+        m.delitem(sys.modules, "flash_mla", raising=False)
+        for name, why in reasons().items():
+            assert why and "torch is not importable" in why, (name, why)
+
+    with monkeypatch.context() as m:                                   # torch without CUDA
+        fake_torch = types.SimpleNamespace(__version__="9.9+cpu",
+                                           cuda=types.SimpleNamespace(is_available=lambda: False))
+        m.setitem(sys.modules, "torch", fake_torch)
+        for name, why in reasons().items():
+            assert why == "torch 9.9+cpu has no CUDA device (a CPU-only build?)", (name, why)
+
+    monkeypatch.setattr(targets, "_requires_torch", lambda: None)      # torch fine from here on
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "flash_mla", None)                      # FlashMLA not installed
+        got = reasons()
+        assert got["flashmla_torch"] is None
+        assert got["flash_mla"].startswith("FlashMLA (the flash_mla package) is not importable here (")
+        m.setitem(sys.modules, "flashmla_cupy.flash_mla", None)
+        assert "flashmla_cupy.flash_mla (the torch drop-in) unavailable" in reasons()["flashmla_torch"]
+
+    shim = types.ModuleType("flash_mla")                               # a shim pointing at our drop-in
+    shim.get_mla_metadata, shim.flash_mla_with_kvcache = drop_in.get_mla_metadata, drop_in.flash_mla_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_mla", shim)
+    assert "is flashmla-cupy's drop-in, not FlashMLA" in reasons()["flash_mla"]
+    monkeypatch.setitem(sys.modules, "flash_mla", types.ModuleType("flash_mla"))
+    assert "has no get_mla_metadata" in reasons()["flash_mla"]
+    monkeypatch.setitem(sys.modules, "flash_mla", _stand_in_flash_mla("seed", []))
+    assert reasons() == {"flashmla_torch": None, "flash_mla": None}
 
 
 @pytest.mark.parametrize("argv, main, baseline", [
     ([], "flashmla", None),
     (["--inputs", "torch"], "flashmla_torch", None),
     (["--baseline", "flash_mla"], "flashmla", "flash_mla"),
+    (["--baseline", "cupy", "--value-checks", "sync"], "flashmla", "cupy"),
     (["--inputs", "torch", "--baseline", "flash_mla", "--value-checks", "off"], "flashmla_torch", "flash_mla"),
+    (["attention", "--baseline", "flash_mla"], "flash_attn_minimal", "manual"),
 ])
 def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseline):
-    from flashmla_cupy import errors
+    import flashmla_cupy
     seen = {}
 
     def stop(config, need_hopper):
@@ -512,12 +739,29 @@ def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseli
         raise env.NoGPU("stand-in: stop after parsing")
 
     monkeypatch.setattr(runner, "require_device", stop)
-    monkeypatch.setattr(errors, "_mode", errors.value_check_mode())     # restored after the test
-    with pytest.raises(SystemExit):
-        cli.main(["profile", "--quick", *argv])
-    config = seen["config"]
-    assert config.targets == [main] + ([baseline] if baseline else []) and config.baseline == baseline
-    assert config.value_checks == ("off" if "off" in argv else "async")
+    before = flashmla_cupy.value_check_mode()
+    for library_mode in ("async", "sync"):
+        with flashmla_cupy.value_checks(library_mode):
+            with pytest.raises(SystemExit):
+                cli.main(["profile", "--quick", *argv])
+        config = seen["config"]
+        assert config.targets == [main] + ([baseline] if baseline else []) and config.baseline == baseline
+        assert config.inputs == ("torch" if "torch" in argv else "cupy")
+        if "attention" in argv:
+            assert config.value_checks is None
+        else:      # --value-checks, else the library's mode at the time
+            given = argv[argv.index("--value-checks") + 1] if "--value-checks" in argv else None
+            assert config.value_checks == (given or library_mode)
+    assert flashmla_cupy.value_check_mode() == before            # parsing changes nothing
+
+
+def test_profile_value_checks_rejects_unknown_modes():
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--value-checks", "maybe"])
+    assert excinfo.value.code == 2
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--inputs", "jax"])
+    assert excinfo.value.code == 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,20 +806,23 @@ def test_profile_on_non_hopper_exits(monkeypatch):
     _assert_one_line_exit(excinfo, "Hopper", "Fake A100")
 
 
-def test_profile_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
-    """cli → runner → report with the session and the kernels replaced (NumPy underneath)."""
+FAKE_GPU = {"name": "Fake H100", "sm_count": 132, "arch": "sm_90a", "compute_capability": "9.0",
+            "memory_bytes": 80 << 30, "l2_bytes": 50 << 20}
+
+
+def _cli_with_a_stand_in_gpu(monkeypatch, argv, real=()):
+    """cli.main(argv) with the device, the session and the kernels replaced (NumPy underneath);
+    ``real`` names targets of ``targets.MLA_TARGETS`` that run as they are."""
     monkeypatch.setenv("COLUMNS", "250")
-    fake_gpu = {"name": "Fake H100", "sm_count": 132, "arch": "sm_90a", "compute_capability": "9.0",
-                "memory_bytes": 80 << 30, "l2_bytes": 50 << 20}
-    monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: fake_gpu)
-    monkeypatch.setattr(env, "environment", lambda device: {"versions": {}, "gpu": fake_gpu, "pdl": "on"})
+    monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: FAKE_GPU)
+    monkeypatch.setattr(env, "environment", lambda device: {"versions": {}, "gpu": FAKE_GPU, "pdl": "on"})
     monkeypatch.setattr(build, "prebuild", lambda *a, **k: None)
     sessions = []
 
     def fake_workload():
         session = FakeSession(None)
         sessions.append(session)
-        return _numpy_mla_workload(session)
+        return _numpy_mla_workload(session, real=real)
 
     def fake_run(work, shape_list, config, **kw):
         small = [dataclasses.replace(s, batch=2, seqlens=s.seqlens[:2]) for s in shape_list]
@@ -584,12 +831,17 @@ def test_profile_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
     real_run = runner.run
     monkeypatch.setattr(runner, "mla_workload", fake_workload)
     monkeypatch.setattr(runner, "run", fake_run)
+    return cli.main(argv)
+
+
+def test_profile_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
+    """cli → runner → report with the session and the kernels replaced (NumPy underneath)."""
     csv_path, json_path, png = tmp_path / "a.csv", tmp_path / "a.json", tmp_path / "a.png"
     argv = ["profile", "--seqlens", "128,256", "--heads", "16", "--s-q", "1", "--baseline", "cupy",
             "--check", "--csv", str(csv_path), "--json", str(json_path)]
     if report.matplotlib_status() is None:
         argv += ["--plot", str(png)]
-    assert cli.main(argv) == 0
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv) == 0
     out = capsys.readouterr().out
     assert "Fake H100" in out and "flashmla" in out and "Ceiling" in out and "cos_diff" in out
     assert csv_path.read_text().startswith("name,batch,seqlen,head,bw,")
@@ -598,6 +850,60 @@ def test_profile_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
     assert data["config"]["check"] is True
     if report.matplotlib_status() is None:
         assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_torch_inputs_with_flash_mla_end_to_end(monkeypatch, tmp_path, capsys, torch_on_cpu):
+    """--inputs torch --baseline flash_mla through the CLI: the drop-in and a stand-in FlashMLA on
+    host tensors; the speed-up column, the mode and the inputs in the table, CSV and JSON."""
+    from flashmla_cupy import flash_mla as drop_in
+
+    seed = _stand_in_flash_mla("seed", [])
+    monkeypatch.setattr(drop_in, "get_mla_metadata", seed.get_mla_metadata)
+    monkeypatch.setattr(drop_in, "flash_mla_with_kvcache", seed.flash_mla_with_kvcache)
+    monkeypatch.setitem(sys.modules, "flash_mla", _stand_in_flash_mla("upstream", []))
+    csv_path, json_path = tmp_path / "t.csv", tmp_path / "t.json"
+    argv = ["profile", "--dtype", "fp16", "--seqlens", "128", "--heads", "16", "--s-q", "1,2", "--varlen", "off",
+            "--inputs", "torch", "--baseline", "flash_mla", "--value-checks", "off", "--check",
+            "--csv", str(csv_path), "--json", str(json_path)]
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv, real=("flashmla_torch", "flash_mla")) == 0
+    out = capsys.readouterr().out
+    assert "flashmla_torch" in out and "flash_mla" in out and "10.0×" in out and "Baseline" in out
+    assert not [line for line in out.splitlines() if line.startswith(("error ", "skipped "))]
+    assert "note flash_mla: FlashMLA upstream API (flash_mla stand-in-upstream)" in out
+    data = json.loads(json_path.read_text())
+    assert data["config"]["inputs"] == "torch" and data["config"]["value_checks"] == "off"
+    assert data["method"]["value_checks"] == "off" and "current mode (off)" in data["method"]["timed"]
+    assert "torch tensors" in data["method"]["timed"] and data["method"]["baseline"].startswith("flash_mla:")
+    assert {r["name"] for r in data["records"]} == {"flashmla_torch", "flash_mla"}
+    for r in data["records"]:
+        assert r["check_ok"] is True
+        if r["name"] == "flashmla_torch":
+            assert r["speedup"] == pytest.approx(10.0) and r["speedup_vs"] == "flash_mla"
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["speedup"]) for r in rows if r["name"] == "flashmla_torch"] == [pytest.approx(10.0)] * 2
+
+
+def test_profile_goes_on_without_flash_mla(monkeypatch, tmp_path, capsys):
+    """--baseline flash_mla where FlashMLA is not importable: the reason, no column, exit 0."""
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+    json_path = tmp_path / "s.json"
+    argv = ["profile", "--seqlens", "128", "--heads", "16", "--s-q", "1", "--varlen", "off",
+            "--baseline", "flash_mla", "--check", "--json", str(json_path)]
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv, real=("flash_mla",)) == 0
+    out = capsys.readouterr().out
+    assert "skipped flash_mla:" in out and "flash_mla\n" not in out.replace(" ", "")
+    data = json.loads(json_path.read_text())
+    assert {r["name"] for r in data["records"]} == {"flashmla"}
+    assert all("speedup" not in r for r in data["records"])
+
+
+def test_profile_torch_inputs_unavailable_exits_with_one_line(monkeypatch):
+    monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: FAKE_GPU)
+    monkeypatch.setattr(targets, "_requires_torch", lambda: "torch is not importable (stand-in)")
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--quick", "--inputs", "torch"])
+    _assert_one_line_exit(excinfo, "--inputs torch", "torch is not importable (stand-in)")
 
 
 def test_info_runs_anywhere(capsys):
@@ -711,21 +1017,37 @@ def test_baseline_on_the_gpu_matches_the_reference():
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("argv", [["--inputs", "torch"], ["--baseline", "flash_mla"]], ids=["torch", "flash_mla"])
-def test_profile_torch_inputs_and_flash_mla_baseline_on_hopper(tmp_path, argv):
-    if targets.MLA_TARGETS[argv[1] if argv[0] == "--baseline" else "flashmla_torch"].requires():
-        pytest.skip(targets.MLA_TARGETS[argv[1] if argv[0] == "--baseline" else "flashmla_torch"].requires())
+@pytest.mark.parametrize("argv", [
+    ["--inputs", "torch"],
+    ["--baseline", "flash_mla"],
+    ["--inputs", "torch", "--baseline", "flash_mla"],
+    ["--inputs", "torch", "--baseline", "flash_mla", "--graph"],
+    ["--value-checks", "sync"],
+    ["--value-checks", "off", "--graph"],
+], ids=["torch", "flash_mla", "torch-flash_mla", "torch-flash_mla-graph", "sync", "off-graph"])
+def test_profile_inputs_value_checks_and_flash_mla_on_hopper(tmp_path, argv):
+    """A tiny run of each option: torch tensors through the drop-in, FlashMLA's own call beside the
+    default one (skipped here, with the reason, where torch or flash_mla is not importable)."""
+    main = targets.MAIN_MLA_TARGETS["torch" if "torch" in argv else "cupy"]
+    baseline = "flash_mla" if "flash_mla" in argv else None
+    for name in (main, baseline):
+        why = name and targets.MLA_TARGETS[name].requires()
+        if why:
+            pytest.skip(f"{name}: {why}")
     path = tmp_path / "q.json"
-    rc = cli.main(["profile", "--heads", "64", "--seqlens", "1024", "--s-q", "2", "--varlen", "off",
-                   "--batch", "4", "--repeats", "10", "--check", "--json", str(path), *argv])
+    rc = cli.main(["profile", "--heads", "64", "--seqlens", "1024", "--s-q", "2", "--varlen", "on",
+                   "--batch", "4", "--repeats", "10", "--warmup", "2", "--no-ceilings", "--check",
+                   "--json", str(path), *argv])
     data = json.loads(path.read_text())
-    names = {r["name"] for r in data["records"]}
     assert all("error" not in r and r["check_ok"] for r in data["records"]), data["records"]
-    if argv[0] == "--baseline":
-        assert names == {"flashmla", "flash_mla"}
-        assert all(r["speedup_vs"] == "flash_mla" for r in data["records"] if r["name"] == "flashmla")
-    else:
-        assert names == {"flashmla_torch"}
+    assert {r["name"] for r in data["records"]} == {main} | ({baseline} if baseline else set())
+    assert all(r["ms_median"] > 0 for r in data["records"])
+    if baseline:
+        main_rows = [r for r in data["records"] if r["name"] == main]
+        assert all(r["speedup_vs"] == "flash_mla" and r["speedup"] > 0 for r in main_rows)
+    mode = argv[argv.index("--value-checks") + 1] if "--value-checks" in argv else "async"
+    assert data["method"]["value_checks"] == data["config"]["value_checks"] == mode
+    assert f"current mode ({mode}" in data["method"]["timed"]
     assert rc == 0
 
 

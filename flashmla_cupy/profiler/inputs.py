@@ -10,7 +10,8 @@ Attention: float32 q, k, v ``[B, H, N, d]``, standard normal.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class MLABenchInputs:
     k_cache: object
     block_table: object
     cache_seqlens: object
+    # The four arrays as torch tensors (DLPack views), made once by the first torch target.
+    torch_views: tuple | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -100,8 +103,12 @@ def make_attention_inputs(shape: AttentionShape, seed: int = 0, xp=None) -> Atte
 
 
 def free_gpu_memory() -> None:
-    """Give cached blocks back to the driver (between shapes)."""
+    """Give cached blocks back to the driver (between shapes): CuPy's pools, and torch's caching
+    allocator when a torch target has used it."""
     import cupy
 
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -118,6 +118,8 @@ def header_lines(env: dict, method: dict | None, *, kind: str, seed: int | None,
     if method:
         timed = method["timed"] + (f" · PDL {env.get('pdl', '?')}" if kind == "mla" else "")
         rows.append(("Timed", timed))
+        if method.get("baseline"):
+            rows.append(("Baseline", method["baseline"]))
         rows.append(("Method", f"{method['timing']}; {method['cache']}; median of up to "
                                f"{method['repeats']} runs (fewer past {method['budget_s_per_target']:g} s "
                                f"per target, at least 10) after {method['warmup_calls']} warm-up calls; "

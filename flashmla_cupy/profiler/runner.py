@@ -39,7 +39,7 @@ class RunConfig:
     measure_ceilings: bool = True
     matmul_dtype: str = "bf16"          # the matmul ceiling's dtype: bf16 (MLA) or fp32 (attention)
     inputs: str = "cupy"                # MLA: the main target's arrays, cupy or torch (targets.MAIN_MLA_TARGETS)
-    value_checks: str = "async"         # MLA: the library's value check mode during the run
+    value_checks: str | None = None     # MLA: value check mode during the run (None: the library's current one)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,14 +55,40 @@ class RunResult:
     skipped_targets: dict[str, str] = field(default_factory=dict)
 
 
+INPUTS_TEXT = {
+    "cupy": "CuPy arrays (flashmla_cupy.flash_mla_with_kvcache)",
+    "torch": "torch tensors (flashmla_cupy.flash_mla, the drop-in; DLPack views of the same buffers; "
+             "torch's current stream set to the profiler's)",
+}
+
+
+def value_check_mode(config: RunConfig) -> str:
+    """The value check mode the run uses: the configured one, else the library's current one."""
+    if config.value_checks:
+        return config.value_checks
+    from .. import value_check_mode as current
+    return current()
+
+
 def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
-    inputs = "torch tensors through flashmla_cupy.flash_mla" if config.inputs == "torch" else "CuPy arrays"
-    what = (f"the default call as users make it ({inputs}; outputs allocated by the call; value checks "
-            f"'{config.value_checks}'): split-KV + combine kernels; metadata computed once beforehand"
-            if kind == "mla" else "whole call of each implementation (outputs allocated inside)")
+    if kind == "mla":
+        mode = value_check_mode(config)
+        what = (f"default call: value checks in their current mode ({mode}"
+                + (", not synchronizing inside the graph" if mode == "sync" and config.graph else "")
+                + f"), on {INPUTS_TEXT.get(config.inputs, config.inputs)}, outputs allocated by the call: "
+                  "split-KV + combine kernels; metadata computed once beforehand")
+    else:
+        what = "whole call of each implementation (outputs allocated inside)"
     timing = ("CUDA events around each replay of a CUDA graph captured from one call"
               if config.graph else "CUDA events around each call, runs enqueued back to back")
     cache = describe_flush(config.flush, flush_bytes(l2_bytes))
+    table = MLA_TARGETS if kind == "mla" else ATTENTION_TARGETS
+    extra = {}
+    if kind == "mla":
+        extra = {"inputs": config.inputs, "value_checks": value_check_mode(config)}
+    if config.baseline and config.baseline in table:
+        extra["baseline"] = (f"{config.baseline}: {table[config.baseline].description}; "
+                             f"speed-up = its median / {config.targets[0]}'s")
     return {
         "timed": what,
         "timing": timing,
@@ -71,7 +97,7 @@ def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
         "repeats": config.repeats,
         "budget_s_per_target": config.budget_s,
         "statistic": "median; spread p10-p90 (quartiles in the exports)",
-        **({"inputs": config.inputs, "value_checks": config.value_checks} if kind == "mla" else {}),
+        **extra,
     }
 
 
@@ -235,6 +261,14 @@ class CudaSession:
         free_gpu_memory()
 
 
+def _value_checks(config: RunConfig):
+    """The configured value check mode for the run's duration (restored afterwards)."""
+    if not config.value_checks:
+        return contextlib.nullcontext()
+    from .. import value_checks
+    return value_checks(config.value_checks)
+
+
 def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
         on_progress: Callable[[str], None] = lambda msg: None,
         on_record: Callable[[dict], None] = lambda rec: None,
@@ -250,7 +284,7 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
         on_note(f"target {n} skipped: {why}")
     records: list[dict] = []
     interrupted = False
-    with (session or CudaSession(config, gpu)) as dev:
+    with _value_checks(config), (session or CudaSession(config, gpu)) as dev:
         on_progress("measuring the ceilings (copy bandwidth, matmul)")
         c = dev.ceilings()
         method = method_description(config, gpu.get("l2_bytes", 0), work.kind)

@@ -7,6 +7,11 @@ callable that is timed. A new implementation plugs in by adding a ``Target`` to 
 
 MLA targets take ``inputs.MLABenchInputs`` and return ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``;
 attention targets take ``inputs.AttentionInputs`` and return ``out [B, H, N, d]``.
+
+The MLA targets: ``flashmla`` (the default call on CuPy arrays), ``flashmla_torch`` (the torch
+drop-in ``flashmla_cupy.flash_mla`` on torch tensors, ``--inputs torch``), ``flash_mla`` (FlashMLA's
+own module, ``--baseline flash_mla``) and ``cupy`` (the plain CuPy baseline). The torch targets view
+the same CuPy buffers through DLPack and are timed on the profiler's stream (``Prepared.on_stream``).
 """
 from __future__ import annotations
 
@@ -72,38 +77,94 @@ def _requires_torch() -> str | None:
     except Exception as e:  # noqa: BLE001
         return f"torch is not importable ({_first_line(e)})"
     if not torch.cuda.is_available():
-        return "torch has no CUDA device"
+        return f"torch {getattr(torch, '__version__', '?')} has no CUDA device (a CPU-only build?)"
+    return None
+
+
+def _requires_flashmla_torch() -> str | None:
+    why = _requires_torch()
+    if why:
+        return why
+    try:
+        importlib.import_module("flashmla_cupy.flash_mla")
+    except Exception as e:  # noqa: BLE001
+        return f"flashmla_cupy.flash_mla (the torch drop-in) unavailable ({_first_line(e)})"
     return None
 
 
 def _torch_inputs(inp):
+    """q, k_cache, block_table, cache_seqlens as torch tensors viewing the CuPy arrays' memory
+    (DLPack, zero-copy), made once per shape and shared by the torch targets."""
+    if inp.torch_views is None:
+        import torch
+        inp.torch_views = tuple(torch.from_dlpack(x) for x in
+                                (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens))
+    return inp.torch_views
+
+
+def _torch_device(inp):
+    """Make the inputs' device torch's current one (setup runs outside the timed stream)."""
     import torch
-    return tuple(torch.from_dlpack(x) for x in (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens))
+    return torch.cuda.device(inp.q.device.id)
 
 
 def _torch_on_stream(stream):
+    """torch's current stream (and device) become the profiler's CuPy stream while timed, so the
+    torch calls, the CUDA events and the L2 flush are all on one stream."""
+    import cupy
     import torch
-    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+    device = cupy.cuda.runtime.getDevice()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=device))
 
 
 def _as_cupy(result):
+    """``(out, lse)`` torch tensors as CuPy arrays for --check (float32: exact for bf16/fp16)."""
     import cupy
-    return tuple(cupy.from_dlpack(x) for x in result)
+    return tuple(cupy.from_dlpack(x.float() if x.is_floating_point() else x) for x in result)
 
 
 def setup_flashmla_torch(inp) -> Prepared:
-    """The call torch users make: ``flashmla_cupy.flash_mla`` (FlashMLA's signatures) on torch
-    tensors, on torch's current stream."""
+    """The call torch users make: ``flashmla_cupy.flash_mla`` (FlashMLA's signatures, default
+    arguments) on torch tensors, on torch's current stream."""
     from .. import flash_mla
 
     s = inp.shape
     q, k_cache, block_table, seqlens = _torch_inputs(inp)
-    meta, splits = flash_mla.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
+    with _torch_device(inp):
+        meta, splits = flash_mla.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
 
-    def run():
-        return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
+        def run():
+            return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits,
+                                                    causal=s.causal)
 
-    return Prepared(run, _as_cupy(run()), on_stream=_torch_on_stream)
+        result = _as_cupy(run())
+    return Prepared(run, result, on_stream=_torch_on_stream)
+
+
+def import_real_flash_mla():
+    """FlashMLA's own module (the top-level ``flash_mla`` package, not ``flashmla_cupy.flash_mla``)."""
+    fm = importlib.import_module("flash_mla")
+    where = getattr(fm, "__file__", None) or "?"
+    for name in ("get_mla_metadata", "flash_mla_with_kvcache"):
+        if not callable(getattr(fm, name, None)):
+            raise ImportError(f"the flash_mla package at {where} has no {name}")
+    if str(getattr(fm.flash_mla_with_kvcache, "__module__", "")).startswith("flashmla_cupy"):
+        raise ImportError(f"the flash_mla package at {where} is flashmla-cupy's drop-in, not FlashMLA")
+    return fm
+
+
+def flash_mla_api(fm) -> str:
+    """Which generation of FlashMLA's API ``fm`` has: ``"seed"`` (2025-04:
+    ``get_mla_metadata(cache_seqlens, s_q*h_q//h_kv, h_kv) -> (metadata, num_splits)``) or
+    ``"upstream"`` (9241ae3 and later: ``get_mla_metadata()`` needs no arguments and returns
+    ``(FlashMLASchedMeta, None)``, filled by the first ``flash_mla_with_kvcache`` call)."""
+    try:
+        params = inspect.signature(fm.get_mla_metadata).parameters.values()
+    except (TypeError, ValueError):          # a compiled function without a signature: the seed's form
+        return "seed"
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return "seed" if any(p.default is inspect.Parameter.empty and p.kind in required for p in params) \
+        else "upstream"
 
 
 def _requires_real_flash_mla() -> str | None:
@@ -111,32 +172,32 @@ def _requires_real_flash_mla() -> str | None:
     if why:
         return why
     try:
-        importlib.import_module("flash_mla")
+        import_real_flash_mla()
     except Exception as e:  # noqa: BLE001
         return f"FlashMLA (the flash_mla package) is not importable here ({_first_line(e)})"
     return None
 
 
 def setup_real_flash_mla(inp) -> Prepared:
-    """FlashMLA's own call on the same buffers (torch tensors): the seed's API
-    ``get_mla_metadata(seqlens, s_q*h_q//h_kv, h_kv)``, or upstream's newer one whose
-    ``get_mla_metadata()`` takes no arguments and whose kernel call takes ``num_splits=None``."""
-    fm = importlib.import_module("flash_mla")
+    """FlashMLA's own call on the same buffers (torch tensors), in either API generation
+    (``flash_mla_api``); the metadata is computed beforehand in both (upstream: by the first call)."""
+    fm = import_real_flash_mla()
+    api = flash_mla_api(fm)
     s = inp.shape
     q, k_cache, block_table, seqlens = _torch_inputs(inp)
-    params = inspect.signature(fm.get_mla_metadata).parameters.values()
-    if any(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-           for p in params):
-        meta, splits = fm.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
-        api = "seed API"
-    else:
-        meta, splits = fm.get_mla_metadata()[0], None
-        api = "upstream API"
+    with _torch_device(inp):
+        if api == "seed":
+            meta, splits = fm.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
+        else:
+            meta, splits = fm.get_mla_metadata()[0], None
 
-    def run():
-        return fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
+        def run():
+            return fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
 
-    return Prepared(run, _as_cupy(run()), notes=[api], on_stream=_torch_on_stream)
+        result = _as_cupy(run())           # upstream: this first call fills the scheduler metadata
+    version = getattr(fm, "__version__", None)
+    return Prepared(run, result, notes=[f"FlashMLA {api} API" + (f" (flash_mla {version})" if version else "")],
+                    on_stream=_torch_on_stream)
 
 
 def _requires_cublas() -> str | None:
@@ -159,18 +220,22 @@ def setup_cupy_baseline(inp) -> Prepared:
 
 
 MLA_TARGETS: dict[str, Target] = {
-    "flashmla": Target("flashmla", "flash_mla_with_kvcache as users call it (CuPy arrays, default arguments): "
+    "flashmla": Target("flashmla", "flashmla_cupy.flash_mla_with_kvcache as users call it: CuPy arrays, default "
+                                   "arguments (outputs allocated by the call, value checks in their current mode); "
                                    "split-KV + combine kernels (PDL); metadata computed once beforehand",
                        setup_flashmla, _requires_flashmla),
-    "flashmla_torch": Target("flashmla_torch", "flashmla_cupy.flash_mla.flash_mla_with_kvcache on torch tensors "
-                                               "(the drop-in, torch's current stream)",
-                             setup_flashmla_torch, _requires_torch),
-    "flash_mla": Target("flash_mla", "FlashMLA's own flash_mla_with_kvcache (nvcc build) on the same buffers",
+    "flashmla_torch": Target("flashmla_torch", "flashmla_cupy.flash_mla.flash_mla_with_kvcache (the torch drop-in, "
+                                               "FlashMLA's signatures) on torch tensors viewing the same buffers, "
+                                               "on torch's current stream (the profiler's)",
+                             setup_flashmla_torch, _requires_flashmla_torch),
+    "flash_mla": Target("flash_mla", "FlashMLA's own flash_mla_with_kvcache (the flash_mla package, nvcc build; "
+                                     "seed or upstream API) on the same buffers as torch tensors, same stream; "
+                                     "metadata computed once beforehand",
                         setup_real_flash_mla, _requires_real_flash_mla),
     "cupy": Target("cupy", "plain CuPy paged MLA (gather pages, float32 cuBLAS matmuls, softmax): "
                            "the seed benchmark's torch target", setup_cupy_baseline, _requires_cublas),
 }
-MAIN_MLA_TARGETS = {"cupy": "flashmla", "torch": "flashmla_torch"}     # by --inputs
+MAIN_MLA_TARGETS = {"cupy": "flashmla", "torch": "flashmla_torch"}     # the timed call, by --inputs
 
 
 # --------------------------------------------------------------------------------------------
