@@ -121,6 +121,9 @@ def test_cuda_graph_capture_replays_like_eager_calls(h_kv):
     lse = poisoned((9, 64, 2), np.float32)
     ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
     stream = cupy.cuda.Stream(non_blocking=True)
+    # The inputs were written on the default stream; `stream` does not wait for it by itself
+    # (nothing in the call synchronizes: without this, the kernels may read them unwritten).
+    stream.wait_event(cupy.cuda.get_current_stream().record())
 
     def call(**outputs):
         return flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,

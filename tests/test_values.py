@@ -417,6 +417,7 @@ def test_bad_value_in_a_cuda_graph(mode):
     bad = BadValue("block_table", 1, -2**31, column=0)
     good = good_value(inp, bad)
     stream = cupy.cuda.Stream(non_blocking=True)
+    stream.wait_event(cupy.cuda.get_current_stream().record())      # the inputs were made on the default stream
     with flashmla_cupy.value_checks(mode), stream:
         call(inp, meta, splits, batch.causal, out, lse, workspace=ws)    # warm: modules loaded, plan built
         stream.synchronize()
