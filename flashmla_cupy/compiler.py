@@ -5,7 +5,8 @@ Everything that turns device source into a loadable cubin lives here:
 * where the headers are: ``cuda_src/`` itself, the CUTLASS/CuTe headers shipped inside the
   ``nvidia-cutlass`` wheel (found without importing its Python package), CuPy's bundled CCCL, and
   the CUDA runtime headers (the ``nvidia-cuda-runtime`` wheel or a toolkit);
-* which options NVRTC gets (``-arch=sm_90a -std=c++17 -default-device`` and the ptxas report);
+* which options NVRTC gets (``-arch=sm_90a -std=c++17 -default-device``, the ptxas report, and
+  ``--no-cache`` for NVRTC 12.9+: see ``nvrtc_cache_options``);
 * the cache: one file per program, keyed by the content of every file under ``cuda_src/``, the
   CUTLASS, NVRTC, CuPy and CUDA-header versions, the options and the arch; written atomically and
   verified by a checksum when read, so that concurrent or interrupted writers never leave a bad
@@ -196,6 +197,14 @@ def extra_options() -> list[str]:
     return os.environ.get("FLASHMLA_CUPY_EXTRA_OPTIONS", "").split()
 
 
+def nvrtc_cache_options() -> list[str]:
+    """``--no-cache`` for NVRTC 12.9+, which keeps compiled programs in the driver's compute cache
+    (``~/.nv/ComputeCache``; only where libcuda loads, so never on a machine without a driver) and
+    answers a repeated compile from there without running ptxas: the log then has no ``-v``
+    report. Our own cache already keeps every cubin, so NVRTC's is switched off."""
+    return ["--no-cache"] if _nvrtc().getVersion() >= (12, 9) else []
+
+
 # --------------------------------------------------------------------------------------------
 # Programs and compiled cubins
 # --------------------------------------------------------------------------------------------
@@ -209,7 +218,7 @@ class Program:
     defines: tuple[tuple[str, str], ...] = ()
 
     def options(self, arch: str) -> list[str]:
-        opts = [f"-arch={arch}", *BASE_OPTIONS, *extra_options()]
+        opts = [f"-arch={arch}", *BASE_OPTIONS, *extra_options(), *nvrtc_cache_options()]
         opts += [f"-D{k}={v}" for k, v in self.defines]
         opts += [f"-I{d}" for d in include_dirs()]
         return opts
@@ -218,7 +227,8 @@ class Program:
         ident = {
             "format": CACHE_FORMAT, "arch": arch, "source": self.source,
             "kernels": list(self.kernels), "defines": list(self.defines),
-            "options": [*BASE_OPTIONS, *extra_options()], "sources": sources_digest(), "toolchain": toolchain(),
+            "options": [*BASE_OPTIONS, *extra_options(), *nvrtc_cache_options()],
+            "sources": sources_digest(), "toolchain": toolchain(),
         }
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -229,16 +239,24 @@ class Program:
 
 @dataclass(frozen=True)
 class KernelResources:
-    """One kernel's registers and stack frame (from the cubin) and spills (from ptxas's report in
-    the compile log; -1 where the log has none: a stack frame of 0 bytes still rules spills out)."""
+    """One kernel's registers, stack frame and stack with its callees (from the cubin), and spills
+    (from ptxas's report in the compile log). -1: unknown (spills: the log has no report, but a
+    0-byte stack rules them out, since spills live in the stack)."""
     registers: int = -1
     stack_bytes: int = -1
     spill_stores: int = -1
     spill_loads: int = -1
+    cumulative_stack_bytes: int = -1
+
+    @property
+    def spills_reported(self) -> bool:
+        return self.spill_stores >= 0 and self.spill_loads >= 0
 
     def __str__(self) -> str:
-        return (f"{self.registers} registers, {self.stack_bytes} B stack, "
-                f"{self.spill_stores} B spill stores, {self.spill_loads} B spill loads")
+        spills = (f"{self.spill_stores} B spill stores, {self.spill_loads} B spill loads"
+                  if self.spills_reported else "spills not reported")
+        return (f"{self.registers} registers, {self.stack_bytes} B stack "
+                f"({self.cumulative_stack_bytes} B with callees), {spills}")
 
 
 @dataclass
@@ -255,8 +273,8 @@ class Cubin:
 
 
 def kernel_resources(image: bytes, log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
-    """Per kernel (keyed by name expression): registers and stack from the cubin, spills from
-    the log's ptxas report when it has one."""
+    """Per kernel (keyed by name expression): registers and stack from the cubin (always there),
+    spills from the log's ptxas report when it has one."""
     from .cubin_info import kernel_resources as from_cubin
 
     reported = parse_ptxas_report(log, lowered)
@@ -264,9 +282,10 @@ def kernel_resources(image: bytes, log: str, lowered: dict[str, str]) -> dict[st
     out = {}
     for expr, mangled in lowered.items():
         r, c = reported[expr], in_cubin.get(mangled, {})
-        out[expr] = KernelResources(registers=c.get("registers", r.registers),
-                                    stack_bytes=c.get("stack_bytes", r.stack_bytes),
-                                    spill_stores=r.spill_stores, spill_loads=r.spill_loads)
+        out[expr] = KernelResources(
+            registers=c.get("registers", r.registers), stack_bytes=c.get("stack_bytes", r.stack_bytes),
+            spill_stores=r.spill_stores, spill_loads=r.spill_loads,
+            cumulative_stack_bytes=c.get("cumulative_stack_bytes", r.cumulative_stack_bytes))
     return out
 
 
@@ -289,6 +308,8 @@ def parse_ptxas_report(log: str, lowered: dict[str, str]) -> dict[str, KernelRes
         m = re.search(r"Used (\d+) registers", line)
         if m:
             current["registers"] = int(m.group(1))
+            m = re.search(r"(\d+) bytes cumulative stack size", line)      # printed when not 0
+            current["cumulative_stack_bytes"] = int(m.group(1)) if m else current.get("stack_bytes", -1)
     return {expr: KernelResources(**by_mangled.get(mangled, {})) for expr, mangled in lowered.items()}
 
 
@@ -307,7 +328,7 @@ def compile_program(program: Program, arch: str = DEFAULT_ARCH) -> Cubin:
         except nvrtc.NVRTCError as e:
             raise CompileError(f"NVRTC failed on {program.name} ({program.source}, {arch}): {e}\n"
                                + nvrtc.getProgramLog(prog)) from None
-        log = nvrtc.getProgramLog(prog)
+        log = nvrtc.getProgramLog(prog).rstrip("\0")
         # CuPy's getCUBIN drops the image's trailing NUL byte; put it back.
         image = bytes(nvrtc.getCUBIN(prog)) + b"\0"
         lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in program.kernels}

@@ -1,9 +1,9 @@
 """The ``compile`` subcommand: build (or find cached) cubins for every kernel program.
 
 Programs come from the registry (``flashmla_cupy.programs``). Missing cubins compile in parallel
-processes (``compiler.build_many``); each program's row gives ptxas's register / stack / spill
-report per kernel, the cold compile time (recorded in the cache entry when it was built) and
-whether this run hit the cache. Needs no GPU when ``arch`` is given.
+processes (``compiler.build_many``); each program's row gives per kernel the registers and stack
+read from the cubin, the spills from ptxas's report, the cold compile time (recorded in the cache
+entry when it was built) and whether this run hit the cache. Needs no GPU when ``arch`` is given.
 """
 from __future__ import annotations
 
@@ -69,6 +69,21 @@ def short_kernel_name(expr: str) -> str:
     return name + "<" + ", ".join(a.strip().split("::")[-1] for a in args.rstrip(">").split(",")) + ">"
 
 
+def _stack_text(r) -> str:
+    """The kernel's stack frame, and the stack with its callees where that is more."""
+    if r.cumulative_stack_bytes > r.stack_bytes:
+        return f"{r.stack_bytes} ({r.cumulative_stack_bytes} with calls)"
+    return str(r.stack_bytes)
+
+
+def _spill_text(r) -> str:
+    """Spill stores/loads from ptxas's report; where the log has none, the cubin's stack still
+    rules spills out when it is 0 bytes, since spills live there."""
+    if r.spills_reported:
+        return f"{r.spill_stores}/{r.spill_loads}"
+    return "none (0 B stack)" if max(r.stack_bytes, r.cumulative_stack_bytes) == 0 else "not reported"
+
+
 def resources_table(cubins: list, arch: str):
     from rich.table import Table
 
@@ -81,14 +96,11 @@ def resources_table(cubins: list, arch: str):
         for i, expr in enumerate(c.program.kernels):
             r = c.resources.get(expr)
             known = r is not None and r.registers >= 0
-            spills = known and (r.spill_stores > 0 or r.spill_loads > 0)
-            # No ptxas report in the log (NVRTC does not always return one): the cubin's stack
-            # frame still tells, since spills live there.
-            spill_text = (f"{r.spill_stores}/{r.spill_loads}" if known and r.spill_stores >= 0
-                          else "none (0 B stack)" if known and r.stack_bytes == 0 else "?")
+            warn = known and (r.spill_stores > 0 or r.spill_loads > 0 or r.cumulative_stack_bytes > 0)
+            spill_text = _spill_text(r) if known else "?"
             t.add_row(short_kernel_name(expr),
-                      str(r.registers) if known else "?", str(r.stack_bytes) if known else "?",
-                      f"[yellow]{spill_text}[/]" if spills else spill_text,
+                      str(r.registers) if known else "?", _stack_text(r) if known else "?",
+                      f"[yellow]{spill_text}[/]" if warn else spill_text,
                       f"{len(c.image) / 1024:.0f}" if i == 0 else "",
                       f"{c.compile_seconds:.1f}" if i == 0 else "",
                       ("[green]hit[/]" if c.from_cache else "compiled") if i == 0 else "")
@@ -103,6 +115,7 @@ def records(cubins: list) -> list[dict]:
             out.append({"program": c.program.name, "source": c.program.source, "kernel": expr,
                         "arch": c.arch, "registers": r.registers if r else None,
                         "stack_bytes": r.stack_bytes if r else None,
+                        "cumulative_stack_bytes": r.cumulative_stack_bytes if r else None,
                         "spill_stores": r.spill_stores if r else None,
                         "spill_loads": r.spill_loads if r else None,
                         "cubin_bytes": len(c.image), "compile_seconds": c.compile_seconds,
