@@ -32,7 +32,7 @@ import cupy
 import numpy as np
 import pytest
 
-from flashmla_cupy import driver, launch, mla, scheduler
+from flashmla_cupy import driver, mla, scheduler
 from flashmla_cupy.testing import PAGE, check_against_reference, make_inputs, run_kernel
 
 pytestmark = pytest.mark.hopper

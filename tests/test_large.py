@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import flashmla_cupy
-from flashmla_cupy import driver, launch, mla, scheduler
+from flashmla_cupy import driver, mla, scheduler
 from flashmla_cupy.testing import D_K, D_V, MLACase, PAGE, check_against_reference, make_inputs, run_kernel, seed_seqlens
 
 pytestmark = pytest.mark.hopper
