@@ -59,11 +59,12 @@ def device_view(x, name: str, what: str = "a GPU array") -> cupy.ndarray:
     if isinstance(x, np.ndarray):
         raise TypeError(f"{expected}; got a NumPy array in host memory (copy it first: cupy.asarray({name}))")
     tensor = interop.torch_tensor_type()
-    if tensor is not None and isinstance(x, tensor) and x.is_cuda and interop.numpy_dtype_of_torch(x.dtype):
+    dtype = interop.numpy_dtype_of_torch(x.dtype) if tensor is not None and isinstance(x, tensor) else None
+    if dtype is not None and x.is_cuda:
         # Viewed directly: DLPack's stream handshake would join a stream that torch may be
         # capturing into a graph. Callers order the streams themselves (mla.py).
-        return interop.device_view_of(x.data_ptr(), tuple(x.shape), interop.numpy_dtype_of_torch(x.dtype), x,
-                                      x.get_device(), strides=tuple(s * x.element_size() for s in x.stride()))
+        return interop.device_view_of(x.data_ptr(), tuple(x.shape), dtype, x, x.get_device(),
+                                      strides=tuple(s * x.element_size() for s in x.stride()))
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         device_type = int(x.__dlpack_device__()[0])
         if device_type not in _DLPACK_CUDA_DEVICES:

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import cupy
@@ -60,7 +61,6 @@ def cupy_stream(ptr: int):
 
 def on_stream(ptr: int):
     """Context manager: CuPy's current stream is ``ptr`` (nothing to do if it already is)."""
-    import contextlib
     if cupy.cuda.get_current_stream().ptr == ptr:
         return contextlib.nullcontext()
     return cupy_stream(ptr)
@@ -72,24 +72,24 @@ def torch_tensor_type():
     return getattr(torch, "Tensor", None) if torch is not None else None
 
 
+# The torch helpers below run only for torch tensors, so torch is already imported: they take it
+# from sys.modules and never import it themselves.
+
 def torch_dtype(dtype: np.dtype):
-    """torch's dtype for a NumPy/ml_dtypes dtype of the MLA arrays."""
-    import torch
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
-    return {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-            np.dtype(np.int32): torch.int32}[np.dtype(dtype)]
+    """torch's dtype for a NumPy/ml_dtypes dtype of the MLA arrays (the same names)."""
+    return getattr(sys.modules["torch"], np.dtype(dtype).name)
+
+
+_TORCH_DTYPE_NAMES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 
 
 def numpy_dtype_of_torch(dtype) -> np.dtype | None:
     """The NumPy/ml_dtypes dtype of a torch dtype (None for ones without a counterpart here)."""
-    import torch
-    if dtype == torch.bfloat16:
+    name = str(dtype).removeprefix("torch.")
+    if name == "bfloat16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
-    name = str(dtype).removeprefix("torch.")
-    return np.dtype(name) if name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
-                                      "uint8", "bool") else None
+    return np.dtype(name) if name in _TORCH_DTYPE_NAMES else None
 
 
 _torch_events: dict[int, cupy.cuda.Event] = {}
@@ -98,8 +98,7 @@ _torch_events: dict[int, cupy.cuda.Event] = {}
 def wait_for_torch(device_id: int, stream_ptr: int) -> None:
     """Make ``stream_ptr`` wait for the work queued so far on torch's current stream of the
     device (skipped when they are the same stream)."""
-    import torch
-    producer = torch.cuda.current_stream(device_id).cuda_stream
+    producer = sys.modules["torch"].cuda.current_stream(device_id).cuda_stream
     if producer == stream_ptr:
         return
     event = _torch_events.get(device_id)

@@ -151,7 +151,8 @@ class CallPlan:
         self.lse_shape = (a.batch, a.h_q, a.s_q)
         self.out_strides = _contiguous_strides(self.out_shape, self.dtype.itemsize)
         self.lse_strides = _contiguous_strides(self.lse_shape, 4)
-        if family == "torch":                 # torch's strides count elements
+        self._torch_out = self._torch_lse = None   # torch outputs' layouts (torch's strides count elements)
+        if family == "torch":
             self._torch_out = (self.out_shape, tuple(s // self.dtype.itemsize for s in self.out_strides),
                                interop.torch_dtype(self.dtype))
             self._torch_lse = (self.lse_shape, tuple(s // 4 for s in self.lse_strides),
@@ -221,7 +222,7 @@ class CallPlan:
             d = x.data
             if x.shape == shape and x.strides == strides and x.dtype == dtype and d.device_id == self.device_id:
                 return x, d.ptr
-        elif self.family == "torch" and type(x) is interop.torch_tensor_type():
+        elif torch_layout is not None and type(x) is interop.torch_tensor_type():
             t_shape, t_strides, t_dtype = torch_layout
             if x.shape == t_shape and x.stride() == t_strides and x.dtype == t_dtype and x.get_device() == self.device_id:
                 return x, x.data_ptr()
@@ -247,13 +248,13 @@ class CallPlan:
         block_table, cache_seqlens, metadata, num_splits); ``q`` is only read for a copy."""
         errors.raise_pending(self.record)
         a = self.inputs
-        torch_out = self._torch_out if self.family == "torch" else None
-        torch_lse = self._torch_lse if self.family == "torch" else None
         # Caller-provided outputs and workspace are checked before anything is allocated.
         if out is not None:
-            out, out_ptr = self._output_pointer(out, "out", self.out_shape, self.out_strides, self.dtype, torch_out)
+            out, out_ptr = self._output_pointer(out, "out", self.out_shape, self.out_strides, self.dtype,
+                                                self._torch_out)
         if lse is not None:
-            lse, lse_ptr = self._output_pointer(lse, "lse", self.lse_shape, self.lse_strides, np.float32, torch_lse)
+            lse, lse_ptr = self._output_pointer(lse, "lse", self.lse_shape, self.lse_strides, np.float32,
+                                                self._torch_lse)
         ws = self._workspace(workspace)
         if self.splitkv is None:
             with self._lock:

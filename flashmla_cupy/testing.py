@@ -170,25 +170,90 @@ class BadValue:
         return f"{self.argument}{where} = {self.value}"
 
 
-def bad_values(inp: MLACase, request: int, causal: bool) -> list[BadValue]:
-    """Lengths outside [0, 64 * columns] and block ids outside the cache, for one request: every
-    kind of int32 the kernels must survive (negative, just past the bound, huge, the extremes).
-    Block ids go into the request's first page and, without a causal mask, its last."""
-    capacity = inp.block_table.shape[1] * PAGE
-    num_blocks = inp.k_cache.shape[0]
+SENTINEL = 0.5        # outputs start finite: NaN must come from the kernels, unwritten rows fail the reference
+SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_metadata"
+
+# Every kind of int32 the kernels must survive (negative, just past the bound, huge, the extremes).
+BAD_LENGTHS = {       # cache_seqlens[request]: outside [0, 64 * block_table columns]
+    "-1": lambda inp: -1,
+    "-2**31": lambda inp: -2**31,
+    "capacity+1": lambda inp: PAGE * inp.block_table.shape[1] + 1,
+    "2**30": lambda inp: 2**30,
+    "2**31-1": lambda inp: 2**31 - 1,
+}
+BAD_BLOCK_IDS = {     # block_table[request, column]: outside [0, num_blocks)
+    "-1": lambda inp: -1,
+    "num_blocks": lambda inp: inp.k_cache.shape[0],
+    "2**31-1": lambda inp: 2**31 - 1,
+    "-2**31": lambda inp: -2**31,
+}
+
+
+def bad_value(inp: MLACase, request: int, argument: str, name: str, page: str = "first") -> BadValue:
+    """``BAD_LENGTHS[name]`` for the request's length, or ``BAD_BLOCK_IDS[name]`` for the block
+    id of its first or last page."""
+    if argument == "cache_seqlens":
+        return BadValue("cache_seqlens", request, BAD_LENGTHS[name](inp))
     pages = -(-int(inp.seqlens[request]) // PAGE)
-    columns = [0] + ([pages - 1] if not causal and pages > 1 else [])
-    out = [BadValue("cache_seqlens", request, v) for v in (-1, -2**31, capacity + 1, 2**30, 2**31 - 1)]
-    out += [BadValue("block_table", request, v, c) for c in columns for v in (-1, num_blocks, 2**31 - 1, -2**31)]
-    return out
+    return BadValue("block_table", request, BAD_BLOCK_IDS[name](inp), column=0 if page == "first" else pages - 1)
 
 
-def apply_bad_value(inp: MLACase, bad: BadValue) -> None:
-    """Write the bad value into the case's GPU arrays (``inp.seqlens`` keeps the good lengths)."""
+def bad_value_kinds(causal: bool) -> list[tuple[str, str, str]]:
+    """``(argument, name, page)`` of every bad value: block ids in the request's first page, and in
+    its last one without a causal mask (with one, some query rows skip the last page, and only the
+    rows that read a bad id are NaN)."""
+    kinds = [("cache_seqlens", name, "") for name in BAD_LENGTHS]
+    for page in ("first",) if causal else ("first", "last"):
+        kinds += [("block_table", name, page) for name in BAD_BLOCK_IDS]
+    return kinds
+
+
+def bad_values(inp: MLACase, request: int, causal: bool) -> list[BadValue]:
+    """Every bad value (``bad_value_kinds``) for one request."""
+    pages = -(-int(inp.seqlens[request]) // PAGE)
+    return [bad_value(inp, request, argument, name, page) for argument, name, page in bad_value_kinds(causal)
+            if page != "last" or pages > 1]
+
+
+def apply_bad_value(inp: MLACase, bad: BadValue, value: int | None = None) -> None:
+    """Write ``bad`` (or ``value`` in its place) into the case's GPU arrays (``inp.seqlens``
+    keeps the good lengths)."""
+    value = bad.value if value is None else value
     if bad.argument == "cache_seqlens":
-        inp.cache_seqlens[bad.request] = bad.value
+        inp.cache_seqlens[bad.request] = value
     else:
-        inp.block_table[bad.request, bad.column] = bad.value
+        inp.block_table[bad.request, bad.column] = value
+
+
+def finite_outputs(inp: MLACase):
+    """``out`` and ``lse`` for ``inp``, full of a finite value (``SENTINEL``)."""
+    b = len(inp.seqlens)
+    out = cupy.full((b, inp.s_q, inp.h_q, D_V), SENTINEL, dtype=np.float32).astype(inp.q.dtype)
+    return out, cupy.full((b, inp.h_q, inp.s_q), SENTINEL, dtype=np.float32)
+
+
+# Scheduler metadata of another batch: (name, edit of (metadata, num_splits, rng), whether the
+# kernels must report it). For a batch whose request 0 is split and started by SM part 0 (e.g.
+# lengths [3000, 100, 5000, 1, 0, 700] with 16 query rows), a wrong split index is always found.
+FOREIGN_METADATA = [
+    ("num_splits-1e9", lambda m, s, rng: s.fill(10**9), True),
+    ("num_splits--5", lambda m, s, rng: s.fill(-5), True),
+    ("num_splits-tail-1e9", lambda m, s, rng: s[1:].fill(10**9), True),
+    ("num_splits-int32-extremes", lambda m, s, rng: s.__setitem__(slice(None), cupy.asarray(
+        np.resize(np.array([2**31 - 1, -2**31], np.int32), s.shape))), True),
+    ("metadata-begin_req--3", lambda m, s, rng: m[0].__setitem__(0, -3), True),
+    ("metadata-all-idle", lambda m, s, rng: m[:, 0].fill(10**6), False),
+    ("metadata-end-past-batch", lambda m, s, rng: (m[:, 2].fill(10**9), m[:, 3].fill(2**31 - 1)), False),
+    ("metadata-zeros", lambda m, s, rng: m.fill(0), False),
+    # Parts that start at request >= 1 end before they begin: the kernel must not start loading
+    # pages it will never wait for.
+    ("metadata-end-before-begin", lambda m, s, rng: m[:, 2].fill(0), False),
+    ("metadata-random", lambda m, s, rng: m.__setitem__(slice(None), cupy.asarray(
+        rng.integers(-2**31, 2**31, m.shape, dtype=np.int64).astype(np.int32))), False),
+    ("both-random", lambda m, s, rng: (m.__setitem__(slice(None), cupy.asarray(
+        rng.integers(-4, 40, m.shape).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
+            rng.integers(-4, 200, s.shape).astype(np.int32)))), False),
+]
 
 
 def check_bad_value_result(inp: MLACase, bad: BadValue, out, lse, causal: bool, dtype: str) -> None:

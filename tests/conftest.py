@@ -13,6 +13,10 @@ import functools
 
 import pytest
 
+# FlashMLA's own test script (torch and triton at import): run by test_flash_mla_torch.py in a
+# subprocess, never collected itself.
+collect_ignore = ["seed_flash_mla.py"]
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_skip_reason() -> str | None:

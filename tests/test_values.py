@@ -24,13 +24,12 @@ import pytest
 
 import flashmla_cupy
 from flashmla_cupy import errors
-from flashmla_cupy.testing import BadValue, check_against_reference, check_bad_value_result, make_inputs, run_kernel
+from flashmla_cupy.testing import (FOREIGN_METADATA, PAGE, SCHEDULE_ERROR, SENTINEL, BadValue, apply_bad_value,
+                                   bad_value, bad_value_kinds, check_against_reference, check_bad_value_result,
+                                   finite_outputs, make_inputs, run_kernel)
 
 pytestmark = pytest.mark.hopper
 
-PAGE = 64
-SENTINEL = 0.5          # outputs start finite: NaN must come from the kernels, unwritten rows fail the reference
-SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_metadata"
 
 
 @pytest.fixture(autouse=True)
@@ -76,50 +75,8 @@ BATCHES = {
     "sq2-hq32-hkv2-bf16": Batch((129, 3000, 64, 65, 1, 900), 2, 32, 2, False, "bf16", 5),
 }
 
-LENGTHS = {           # cache_seqlens[request]: outside [0, 64 * block_table columns]
-    "-1": lambda inp: -1,
-    "-2**31": lambda inp: -2**31,
-    "capacity+1": lambda inp: PAGE * inp.block_table.shape[1] + 1,
-    "2**30": lambda inp: 2**30,
-    "2**31-1": lambda inp: 2**31 - 1,
-}
-IDS = {               # block_table[request, column]: outside [0, num_blocks)
-    "-1": lambda inp: -1,
-    "num_blocks": lambda inp: inp.k_cache.shape[0],
-    "2**31-1": lambda inp: 2**31 - 1,
-    "-2**31": lambda inp: -2**31,
-}
-
-
-def _kinds(batch: Batch) -> list[tuple[str, str, str]]:
-    """(argument, value name, page) of every bad value for the batch: block ids in the request's
-    first page, and in its last one without a causal mask (with one, some query rows skip the
-    last page, and only the rows that read a bad id are NaN)."""
-    kinds = [("cache_seqlens", name, "") for name in LENGTHS]
-    for page in ("first",) if batch.causal else ("first", "last"):
-        kinds += [("block_table", name, page) for name in IDS]
-    return kinds
-
-
-VALUE_CASES = [(b, *k) for b in BATCHES for k in _kinds(BATCHES[b])]
+VALUE_CASES = [(b, *k) for b in BATCHES for k in bad_value_kinds(BATCHES[b].causal)]
 VALUE_IDS = [f"{b}-{arg}-{page + '-' if page else ''}{name}" for b, arg, name, page in VALUE_CASES]
-
-
-def bad_value(inp, batch: Batch, argument: str, name: str, page: str = "first") -> BadValue:
-    i = batch.request
-    if argument == "cache_seqlens":
-        return BadValue("cache_seqlens", i, LENGTHS[name](inp))
-    pages = -(-int(inp.seqlens[i]) // PAGE)
-    return BadValue("block_table", i, IDS[name](inp), column=0 if page == "first" else pages - 1)
-
-
-def write(inp, bad: BadValue, value=None) -> None:
-    """Write ``bad`` (or ``value`` in its place) into the case's GPU arrays."""
-    value = bad.value if value is None else value
-    if bad.argument == "cache_seqlens":
-        inp.cache_seqlens[bad.request] = value
-    else:
-        inp.block_table[bad.request, bad.column] = value
 
 
 def good_value(inp, bad: BadValue) -> int:
@@ -165,12 +122,15 @@ def fresh(bases, name: str):
         meta, splits
 
 
-def outputs(inp):
-    """``out`` and ``lse`` full of a finite value."""
-    b = len(inp.seqlens)
-    out = cupy.full((b, inp.s_q, inp.h_q, 512), SENTINEL, dtype=np.float32).astype(inp.q.dtype)
-    lse = cupy.full((b, inp.h_q, inp.s_q), SENTINEL, dtype=np.float32)
-    return out, lse
+def with_bad_value(bases, name: str, argument: str, value_name: str, page: str):
+    """Batch ``name`` (fresh integer arrays) with one bad value written, the good value it
+    replaced, and finite outputs: ``(batch, inp, meta, splits, bad, good, out, lse)``."""
+    batch = BATCHES[name]
+    inp, meta, splits = fresh(bases, name)
+    bad = bad_value(inp, batch.request, argument, value_name, page)
+    good = good_value(inp, bad)
+    apply_bad_value(inp, bad)
+    return (batch, inp, meta, splits, bad, good, *finite_outputs(inp))
 
 
 def call(inp, meta, splits, causal, out, lse, **kwargs):
@@ -189,12 +149,7 @@ def assert_record_clear() -> None:
 
 @pytest.mark.parametrize("name,argument,value_name,page", VALUE_CASES, ids=VALUE_IDS)
 def test_async_bad_value_gives_nan_rows_and_an_error_at_the_next_call(bases, name, argument, value_name, page):
-    batch = BATCHES[name]
-    inp, meta, splits = fresh(bases, name)
-    bad = bad_value(inp, batch, argument, value_name, page)
-    good = good_value(inp, bad)
-    write(inp, bad)
-    out, lse = outputs(inp)
+    batch, inp, meta, splits, bad, good, out, lse = with_bad_value(bases, name, argument, value_name, page)
     call(inp, meta, splits, batch.causal, out, lse)             # returns: nothing waits for the GPU
     cupy.cuda.Device().synchronize()
     check_bad_value_result(inp, bad, out, lse, batch.causal, batch.dtype)
@@ -203,8 +158,8 @@ def test_async_bad_value_gives_nan_rows_and_an_error_at_the_next_call(bases, nam
     check_message(e.value, inp, bad)
     assert "found on device" in str(e.value)
     # Reported once: the call after that runs, and with the value fixed every request is right.
-    write(inp, bad, good)
-    out, lse = outputs(inp)
+    apply_bad_value(inp, bad, good)
+    out, lse = finite_outputs(inp)
     call(inp, meta, splits, batch.causal, out, lse)
     check_against_reference(inp, out, lse, batch.causal, batch.dtype)
     flashmla_cupy.check_errors()
@@ -212,11 +167,7 @@ def test_async_bad_value_gives_nan_rows_and_an_error_at_the_next_call(bases, nam
 
 @pytest.mark.parametrize("name,argument,value_name,page", VALUE_CASES, ids=VALUE_IDS)
 def test_sync_bad_value_raises_at_the_call(bases, name, argument, value_name, page):
-    batch = BATCHES[name]
-    inp, meta, splits = fresh(bases, name)
-    bad = bad_value(inp, batch, argument, value_name, page)
-    write(inp, bad)
-    out, lse = outputs(inp)
+    batch, inp, meta, splits, bad, _, out, lse = with_bad_value(bases, name, argument, value_name, page)
     with flashmla_cupy.value_checks("sync"):
         with pytest.raises(ValueError) as e:
             call(inp, meta, splits, batch.causal, out, lse)
@@ -227,11 +178,7 @@ def test_sync_bad_value_raises_at_the_call(bases, name, argument, value_name, pa
 
 @pytest.mark.parametrize("name,argument,value_name,page", VALUE_CASES, ids=VALUE_IDS)
 def test_off_bad_value_gives_nan_rows_and_no_error(bases, name, argument, value_name, page):
-    batch = BATCHES[name]
-    inp, meta, splits = fresh(bases, name)
-    bad = bad_value(inp, batch, argument, value_name, page)
-    write(inp, bad)
-    out, lse = outputs(inp)
+    batch, inp, meta, splits, bad, _, out, lse = with_bad_value(bases, name, argument, value_name, page)
     with flashmla_cupy.value_checks("off"):
         call(inp, meta, splits, batch.causal, out, lse)
         assert_record_clear()                                   # nothing recorded
@@ -245,9 +192,9 @@ def test_check_errors_synchronizes_and_raises(bases, argument, value_name, page)
     name = "sq1-hq128-fp16"
     batch = BATCHES[name]
     inp, meta, splits = fresh(bases, name)
-    bad = bad_value(inp, batch, argument, value_name, page)
-    write(inp, bad)
-    out, lse = outputs(inp)
+    bad = bad_value(inp, batch.request, argument, value_name, page)
+    apply_bad_value(inp, bad)
+    out, lse = finite_outputs(inp)
     call(inp, meta, splits, batch.causal, out, lse)
     with pytest.raises(ValueError) as e:                        # no synchronize before: check_errors does it
         flashmla_cupy.check_errors()
@@ -263,10 +210,10 @@ def test_bad_length_in_the_metadata_too(value_name):
     positive length) and to the call."""
     batch = Batch((300, 100, 5000, 64, 1, 700), 1, 64, 1, False, "bf16", 1)
     inp = make_inputs(np.random.default_rng(11), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
-    bad = bad_value(inp, batch, "cache_seqlens", value_name)
-    write(inp, bad)
+    bad = bad_value(inp, batch.request, "cache_seqlens", value_name)
+    apply_bad_value(inp, bad)
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
-    out, lse = outputs(inp)
+    out, lse = finite_outputs(inp)
     call(inp, meta, splits, batch.causal, out, lse)
     with pytest.raises(ValueError) as e:
         flashmla_cupy.check_errors()
@@ -283,10 +230,10 @@ def test_negative_length_into_get_mla_metadata(mode):
     batch = Batch((300, 100, 5000, 64, 0, 2), 2, 16, 1, True, "bf16", 1)
     inp = make_inputs(np.random.default_rng(12), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
     bad = BadValue("cache_seqlens", 1, -5)
-    write(inp, bad)
+    apply_bad_value(inp, bad)
     shapes = flashmla_cupy.metadata_shapes(len(batch.seqlens), batch.rows_per_kv, batch.h_kv)
     meta, splits = cupy.full(shapes[0], -7, dtype=np.int32), cupy.full(shapes[1], -7, dtype=np.int32)
-    out, lse = outputs(inp)
+    out, lse = finite_outputs(inp)
     with flashmla_cupy.value_checks(mode):
         if mode == "sync":
             with pytest.raises(ValueError, match=r"^cache_seqlens\[1\] must be >= 0; got -5"):
@@ -334,8 +281,8 @@ def test_bad_value_in_a_request_split_over_many_parts(what):
            "block-on-the-last-page": BadValue("block_table", 0, inp.k_cache.shape[0], column=pages - 1),
            "length-2**30": BadValue("cache_seqlens", 0, 2**30),
            "length--1": BadValue("cache_seqlens", 0, -1)}[what]
-    write(inp, bad)
-    out, lse = outputs(inp)
+    apply_bad_value(inp, bad)
+    out, lse = finite_outputs(inp)
     call(inp, meta, splits, batch.causal, out, lse)
     with pytest.raises(ValueError) as e:
         flashmla_cupy.check_errors()
@@ -349,35 +296,16 @@ def test_bad_value_in_a_request_split_over_many_parts(what):
 
 # (name, edit of (metadata, num_splits, rng), whether the kernels must report it): the batch's
 # request 0 is split, and SM part 0 starts it, so a wrong split index there is always found.
-GARBAGE = [
-    ("num_splits-1e9", lambda m, s, rng: s.fill(10**9), True),
-    ("num_splits--5", lambda m, s, rng: s.fill(-5), True),
-    ("num_splits-tail-1e9", lambda m, s, rng: s[1:].fill(10**9), True),
-    ("num_splits-int32-extremes", lambda m, s, rng: s.__setitem__(slice(None), cupy.asarray(
-        np.resize(np.array([2**31 - 1, -2**31], np.int32), s.shape))), True),
-    ("metadata-begin_req--3", lambda m, s, rng: m[0].__setitem__(0, -3), True),
-    ("metadata-all-idle", lambda m, s, rng: m[:, 0].fill(10**6), False),
-    ("metadata-end-past-batch", lambda m, s, rng: (m[:, 2].fill(10**9), m[:, 3].fill(2**31 - 1)), False),
-    ("metadata-zeros", lambda m, s, rng: m.fill(0), False),
-    # Parts that start at request >= 1 end before they begin: the kernel must not start loading
-    # pages it will never wait for (or, if it does, the loads must land before the CTA exits).
-    ("metadata-end-before-begin", lambda m, s, rng: m[:, 2].fill(0), False),
-    ("metadata-random", lambda m, s, rng: m.__setitem__(slice(None), cupy.asarray(
-        rng.integers(-2**31, 2**31, m.shape, dtype=np.int64).astype(np.int32))), False),
-    ("both-random", lambda m, s, rng: (m.__setitem__(slice(None), cupy.asarray(
-        rng.integers(-4, 40, m.shape).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
-            rng.integers(-4, 200, s.shape).astype(np.int32)))), False),
-]
 
 
-@pytest.mark.parametrize("garbage,edit,reported", GARBAGE, ids=[g[0] for g in GARBAGE])
+@pytest.mark.parametrize("garbage,edit,reported", FOREIGN_METADATA, ids=[g[0] for g in FOREIGN_METADATA])
 def test_metadata_of_another_batch_is_survived_and_reported(garbage, edit, reported):
     rng = np.random.default_rng(14)
     inp = make_inputs(rng, [3000, 100, 5000, 1, 0, 700], 1, 16, 1, "bf16")
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 16, 1)
     assert int(splits[1]) > 1, "request 0 should have several splits"
     edit(meta, splits, rng)
-    out, lse = outputs(inp)
+    out, lse = finite_outputs(inp)
     call(inp, meta, splits, False, out, lse)                    # its outputs are unspecified
     cupy.cuda.Device().synchronize()                            # the context survived
     if reported:
@@ -397,7 +325,7 @@ def test_metadata_of_another_batch_raises_at_the_call_in_sync_mode():
     inp = make_inputs(np.random.default_rng(15), [3000, 100, 5000, 1], 1, 16, 1, "bf16")
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 16, 1)
     splits.fill(10**9)
-    out, lse = outputs(inp)
+    out, lse = finite_outputs(inp)
     with flashmla_cupy.value_checks("sync"), pytest.raises(ValueError, match=f"^{SCHEDULE_ERROR}"):
         call(inp, meta, splits, False, out, lse)
     flashmla_cupy.check_errors()
@@ -412,7 +340,7 @@ def test_bad_value_in_a_cuda_graph(mode):
     batch = Batch((500, 1000, 64, 3000, 0, 200), 2, 64, 1, True, "bf16", 1)
     inp = make_inputs(np.random.default_rng(16), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
-    out, lse = outputs(inp)
+    out, lse = finite_outputs(inp)
     ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
     bad = BadValue("block_table", 1, -2**31, column=0)
     good = good_value(inp, bad)
@@ -421,7 +349,7 @@ def test_bad_value_in_a_cuda_graph(mode):
     with flashmla_cupy.value_checks(mode), stream:
         call(inp, meta, splits, batch.causal, out, lse, workspace=ws)    # warm: modules loaded, plan built
         stream.synchronize()
-        write(inp, bad)                                         # the bad value is in the buffer at capture
+        apply_bad_value(inp, bad)                                         # the bad value is in the buffer at capture
         stream.begin_capture()
         call(inp, meta, splits, batch.causal, out, lse, workspace=ws)    # "sync" does not synchronize here
         graph = stream.end_capture()
@@ -433,7 +361,7 @@ def test_bad_value_in_a_cuda_graph(mode):
         with pytest.raises(ValueError) as e:                    # the next eager call reports the replay's error
             flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv, stream=stream)
         check_message(e.value, inp, bad)
-        write(inp, bad, good)                                   # fixed in place: the next replay is right
+        apply_bad_value(inp, bad, good)                                   # fixed in place: the next replay is right
         graph.launch(stream)
         stream.synchronize()
     check_against_reference(inp, out, lse, batch.causal, batch.dtype)

@@ -26,8 +26,9 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy.testing import (BadValue, apply_bad_value, bad_values, check_against_reference,
-                                   check_bad_value_result, make_inputs, run_kernel)
+from flashmla_cupy.testing import (FOREIGN_METADATA, SCHEDULE_ERROR, BadValue, apply_bad_value, bad_values,
+                                   check_against_reference, check_bad_value_result, finite_outputs, make_inputs,
+                                   run_kernel)
 
 # (seqlens, s_q, h_q, h_kv, causal)
 SHAPES = {
@@ -71,31 +72,9 @@ BAD_VALUE_BATCHES = [
     ([129, 3000, 64, 65, 1, 900], 2, 32, 2, False, 5),     # two KV heads
     ([70000, 10, 10], 1, 128, 1, False, 0),                # split over many SM parts
 ]
-SENTINEL = 0.5      # out and lse start finite: NaN must come from the kernels
-SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_metadata"
-
-# Scheduler metadata of another batch (name, edit of (metadata, num_splits, rng), reported):
-# request 0 of FOREIGN_BATCH is split and SM part 0 starts it, so the reported ones always are.
+# Scheduler metadata of another batch (flashmla_cupy.testing.FOREIGN_METADATA): request 0 of
+# this batch is split and SM part 0 starts it, so the reported kinds always are.
 FOREIGN_BATCH = ([3000, 100, 5000, 1, 0, 700], 1, 16, 1, False)
-FOREIGN_METADATA = [
-    ("num_splits = 10**9", lambda m, s, rng: s.fill(10**9), True),
-    ("num_splits = -5", lambda m, s, rng: s.fill(-5), True),
-    ("num_splits[1:] = 10**9", lambda m, s, rng: s[1:].fill(10**9), True),
-    ("begin_req = -3", lambda m, s, rng: m[0].__setitem__(0, -3), True),
-    ("every part idle", lambda m, s, rng: m[:, 0].fill(10**6), False),
-    ("end_req past the batch", lambda m, s, rng: (m[:, 2].fill(10**9), m[:, 3].fill(2**31 - 1)), False),
-    ("end_req before begin_req", lambda m, s, rng: m[:, 2].fill(0), False),
-    ("metadata random", lambda m, s, rng: m.__setitem__(slice(None), cupy.asarray(
-        rng.integers(-2**31, 2**31, m.shape, dtype=np.int64).astype(np.int32))), False),
-    ("both random, small", lambda m, s, rng: (m.__setitem__(slice(None), cupy.asarray(
-        rng.integers(-4, 40, m.shape).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
-            rng.integers(-4, 200, s.shape).astype(np.int32)))), False),
-]
-
-
-def finite_outputs(b, s_q, h_q, dtype):
-    out = cupy.full((b, s_q, h_q, 512), SENTINEL, dtype=np.float32).astype(dtype)
-    return out, cupy.full((b, h_q, s_q), SENTINEL, dtype=np.float32)
 
 
 def raised_by(fn) -> str | None:
@@ -133,7 +112,7 @@ def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_
         base.cache_seqlens[...] = good_lengths
         base.block_table[...] = good_table
         apply_bad_value(base, bad)
-        out, lse = finite_outputs(len(seqlens), s_q, h_q, base.q.dtype)
+        out, lse = finite_outputs(base)
         with flashmla_cupy.value_checks("async"):
             call(base, meta, splits, causal, out, lse)
             raised = raised_by(flashmla_cupy.check_errors)
@@ -156,7 +135,7 @@ def check_negative_length(dtype, rng, host_reference: bool):
     inp = make_inputs(rng, seqlens, s_q, h_q, 1, dtype)
     bad = BadValue("cache_seqlens", 1, -5)
     apply_bad_value(inp, bad)
-    out, lse = finite_outputs(len(seqlens), s_q, h_q, inp.q.dtype)
+    out, lse = finite_outputs(inp)
     with flashmla_cupy.value_checks("async"):
         meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
         from_metadata = raised_by(flashmla_cupy.check_errors)
@@ -183,7 +162,7 @@ def check_foreign_metadata(dtype, rng, host_reference: bool):
         with flashmla_cupy.value_checks("async"):
             meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q // h_kv, h_kv)
             edit(meta, splits, rng)
-            call(inp, meta, splits, causal, *finite_outputs(len(seqlens), s_q, h_q, inp.q.dtype))
+            call(inp, meta, splits, causal, *finite_outputs(inp))
             raised = raised_by(flashmla_cupy.check_errors)
             out, lse = run_kernel(inp, causal)
             after = raised_by(flashmla_cupy.check_errors)
