@@ -163,3 +163,18 @@ def test_extreme_softmax_scales_keep_masked_tokens_out(softmax_scale):
     inp = make_inputs(rng, [1, 3, 70, 0], 4, 16, 1, "bf16")
     out, lse = run_kernel(inp, causal=True, softmax_scale=softmax_scale)
     check_against_reference(inp, out, lse, True, "bf16", softmax_scale=softmax_scale)
+
+
+@pytest.mark.parametrize("s_q,h_q,dtype", [(1, 16, "bf16"), (2, 64, "fp16"), (1, 128, "bf16"), (2, 128, "fp16")])
+def test_running_max_jumps_between_pages(s_q, h_q, dtype):
+    """The rope part of each cache block (columns 512-575, which enter the scores but not V) scaled
+    by factors from 0.05 to 12, in permuted block order: each row's running max jumps past the
+    lazy threshold (splitkv_softmax.cuh) at random pages of both warpgroups, up and down, so
+    rescales by factors other than 1 run mid-sequence next to pages whose weights are tiny."""
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 12, 1500, s_q, True), s_q, h_q, 1, dtype)
+    factors = cupy.asarray(rng.choice([0.05, 0.5, 1.0, 4.0, 12.0], size=inp.k_cache.shape[0]), dtype=cupy.float32)
+    rope = inp.k_cache[..., 512:].astype(cupy.float32) * factors[:, None, None, None]
+    inp.k_cache[..., 512:] = rope.astype(inp.k_cache.dtype)             # NaN slots stay NaN
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, dtype)

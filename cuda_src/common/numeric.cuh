@@ -1,4 +1,4 @@
-// Floating-point constants (NVRTC has no <cmath> macros such as INFINITY or M_LOG2E).
+// Floating-point constants (NVRTC has no <cmath> macros such as INFINITY or M_LOG2E) and exp2 on the SFU.
 #pragma once
 #include <cuda/std/limits>
 
@@ -8,5 +8,15 @@ constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 constexpr float kNaN = cuda::std::numeric_limits<float>::quiet_NaN();
 constexpr float kLog2e = 1.4426950408889634f;   // log2(e)
 constexpr float kLn2 = 0.6931471805599453f;     // ln(2)
+
+// 2^x on the SFU alone (ex2.approx.ftz). CUDA's exp2f wraps the same instruction in a fix-up for
+// subnormal results (a compare and two multiplies, as without --use_fast_math), which on the
+// softmax's path between two WGMMAs cost ~10% on compute-bound shapes; results below 2^-126
+// become 0, which a softmax weight or a rescale factor cannot tell apart.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 }  // namespace flashmla

@@ -175,6 +175,15 @@ struct SplitKVCta {
         Element* k1 = page_buf(1);
         const int first_token = page * kPageBlock;
         Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
+        // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
+        // instead of delaying the TMA requests that need them.
+        int next_id0 = 0, next_id1 = 0;
+        if constexpr (!kLast0 && !kLast1) {
+            if (idx == 0) {
+                next_id0 = block_id(block_table, req, page + 2);
+                if (page + 3 < end_page) next_id1 = block_id(block_table, req, page + 3);
+            }
+        }
 
         wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, p.scale_log2,
                                       first_token, idx);
@@ -185,9 +194,11 @@ struct SplitKVCta {
 
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
         if constexpr (!kLast0 && !kLast1) {
-            if (idx == 0) load_page_tiles<0, 4>(0, block_id(block_table, req, page + 2));   // V0_L consumed
+            if (idx == 0) load_page_tiles<0, 4>(0, next_id0);   // V0_L consumed
         }
-        wg0_rescale_p(s, pb, st.scale1, idx);
+        float scale1[2];
+        read_scale1(st.scale1, idx, scale1);
+        wg0_rescale_p(s, pb, scale1);
         store_p<T>(pb, st.p0, idx);
         fence_smem_for_async_proxy();
         named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
@@ -195,7 +206,7 @@ struct SplitKVCta {
         if constexpr (!kLast0) {
             if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
             named_barrier_sync(int(WgBarrier::kP1Issued), 256);
-            wg0_rescale_o(o, rows, st.scale1, idx);
+            wg0_rescale_o(o, rows, scale1);
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
         }
         if constexpr (!kLast0 && !kLast1) {
@@ -203,7 +214,7 @@ struct SplitKVCta {
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
-                if (idx == 0) load_page_tiles<0, 4>(1, block_id(block_table, req, page + 3));
+                if (idx == 0) load_page_tiles<0, 4>(1, next_id1);
             }
             qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             phase0 ^= 1;
@@ -220,6 +231,13 @@ struct SplitKVCta {
         Element* k1 = page_buf(1);
         const int first_token = (page + 1) * kPageBlock;
         Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
+        int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
+        if constexpr (!kLast0 && !kLast1) {
+            if (idx == 0) {
+                next_id0 = block_id(block_table, req, page + 2);
+                if constexpr (!kLast2) next_id1 = block_id(block_table, req, page + 3);
+            }
+        }
 
         named_barrier_sync(int(WgBarrier::kScale0Ready), 256);
         wg1_softmax<kLast0, kLast1 || kLast2>(s, pb, o, rows, st.row_max, st.scale0, st.scale1,
@@ -239,11 +257,11 @@ struct SplitKVCta {
 
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             warpgroup_wait<1>();                                  // P1 V1_R done: V1_R free
-            if (idx == 0) load_page_tiles<4, kTilesK>(1, block_id(block_table, req, page + 3));
+            if (idx == 0) load_page_tiles<4, kTilesK>(1, next_id1);
         }
         if constexpr (!kLast0 && !kLast1) {
             warpgroup_wait<0>();                                  // P0 V0_R done: V0_R free
-            if (idx == 0) load_page_tiles<4, kTilesK>(0, block_id(block_table, req, page + 2));
+            if (idx == 0) load_page_tiles<4, kTilesK>(0, next_id0);
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             qk_tiles<T, 4, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);

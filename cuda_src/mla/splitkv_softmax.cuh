@@ -7,6 +7,12 @@
 //   wg1: m1 = max(m0, rowmax(S1)); scale1 = 2^(m0 - m1); O_R *= scale0*scale1; P1 = 2^(S1 - m1)
 //   wg0 later: O_L *= scale1 and P0 *= scale1 before O_L += P1 V1_L, O_R += P0 V0_R.
 //
+// The running max is lazy: it moves only when a page's max exceeds it by more than
+// kStaleMaxLog2, so P = 2^(S - m) <= 2^kStaleMaxLog2 (exact in fp32, and bf16/fp16 keep their
+// relative precision), and after the first pages the rescale factors are exactly 1. A warp
+// whose 16 rows all have factor 1 skips the rescale of its O fragment (128 multiplies per
+// thread, up to three times per page pair): bit-identical to multiplying by 1.
+//
 // Fragment layout (WGMMA accumulator, 64 rows per warpgroup): thread t of the warpgroup holds rows
 // 16*(t/32) + (t%32)/4 and that + 8; element i of a 64-column fragment sits in row half (i/2)%2,
 // column 8*(i/4) + 2*(t%4) + i%2.
@@ -24,6 +30,18 @@ using namespace cute;
 // exp2(kRowMaxInit - kRowMaxInit) = 1 and never computes inf - inf.
 constexpr float kMaskedScore = -kInf;
 constexpr float kRowMaxInit = -1e30f;
+constexpr float kStaleMaxLog2 = 8.0f;
+
+// The new running max of a row: unchanged unless the page's max passes it by kStaleMaxLog2.
+// NaN scores leave it unchanged (as fmaxf would) and propagate through P.
+__device__ __forceinline__ float lazy_row_max(float m_old, float page_max) {
+    return page_max > m_old + kStaleMaxLog2 ? page_max : m_old;
+}
+
+// Whether any of the warp's rows has a rescale factor other than 1 (warp-uniform).
+__device__ __forceinline__ bool warp_needs_rescale(const float (&factor)[2]) {
+    return __any_sync(0xffffffffu, factor[0] != 1.0f || factor[1] != 1.0f);
+}
 
 __device__ __forceinline__ int fragment_row(int half, int idx_in_wg) {
     return (idx_in_wg / 32) * 16 + half * 8 + (idx_in_wg % 32) / 4;
@@ -78,7 +96,7 @@ __device__ __forceinline__ float exponentiate(FragS& s, FragP& p, int half, floa
     for (int i = half * 2; i < size(s); i += 4) {
         CUTE_UNROLL
         for (int e = 0; e < 2; ++e) {
-            const float x = exp2f(fmaf(s(i + e), scale_log2, -m));
+            const float x = exp2_approx(fmaf(s(i + e), scale_log2, -m));
             s(i + e) = x;
             p(i + e) = Element(x);
             sum += x;
@@ -87,12 +105,14 @@ __device__ __forceinline__ float exponentiate(FragS& s, FragP& p, int half, floa
     return sum;
 }
 
+// O's rows times their factors, skipped when the whole warp's factors are 1.
 template <typename FragO>
-__device__ __forceinline__ void scale_rows(FragO& o, int half, float factor) {
+__device__ __forceinline__ void scale_rows(FragO& o, const float (&factor)[2]) {
+    if (!warp_needs_rescale(factor)) return;
     CUTE_UNROLL
-    for (int i = half * 2; i < size(o); i += 4) {
-        o(i) *= factor;
-        o(i + 1) *= factor;
+    for (int i = 0; i < size(o); i += 2) {
+        o(i) *= factor[(i / 2) % 2];
+        o(i + 1) *= factor[(i / 2) % 2];
     }
 }
 
@@ -101,22 +121,23 @@ template <bool kMask, typename FragS, typename FragP, typename FragO>
 __device__ __forceinline__ void wg0_softmax(FragS& s, FragP& p, FragO& o, RowState& rows,
                                             float* row_max, float* scale0, float scale_log2,
                                             int first_token, int idx_in_wg) {
+    float rescale[2];
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const int row = fragment_row(half, idx_in_wg);
         const float page_max = masked_row_max<kMask>(s, half, first_token, rows.right_border[half],
                                                      scale_log2, idx_in_wg);
         const float m_old = row_max[row];
-        const float m_new = fmaxf(m_old, page_max);
-        const float rescale = exp2f(m_old - m_new);
+        const float m_new = lazy_row_max(m_old, page_max);
+        rescale[half] = exp2_approx(m_old - m_new);
         __syncwarp();   // the quad has read row_max before it changes
         if (idx_in_wg % 4 == 0) {
-            scale0[row] = rescale;
+            scale0[row] = rescale[half];
             row_max[row] = m_new;
         }
-        scale_rows(o, half, rescale);
-        rows.sum[half] = rows.sum[half] * rescale + exponentiate(s, p, half, m_new, scale_log2);
+        rows.sum[half] = rows.sum[half] * rescale[half] + exponentiate(s, p, half, m_new, scale_log2);
     }
+    scale_rows(o, rescale);
 }
 
 // Warpgroup 1, odd page (absent if kNoPage): update the shared max after warpgroup 0, publish
@@ -125,6 +146,7 @@ template <bool kNoPage, bool kMask, typename FragS, typename FragP, typename Fra
 __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowState& rows,
                                             float* row_max, const float* scale0, float* scale1,
                                             float scale_log2, int first_token, int idx_in_wg) {
+    float o_rescale[2];
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const int row = fragment_row(half, idx_in_wg);
@@ -133,43 +155,44 @@ __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowSta
             const float page_max = masked_row_max<kMask>(s, half, first_token, rows.right_border[half],
                                                          scale_log2, idx_in_wg);
             const float m_old = row_max[row];
-            const float m_new = fmaxf(m_old, page_max);
-            rescale = exp2f(m_old - m_new);
+            const float m_new = lazy_row_max(m_old, page_max);
+            rescale = exp2_approx(m_old - m_new);
             __syncwarp();
             if (idx_in_wg % 4 == 0) row_max[row] = m_new;
             page_sum = exponentiate(s, p, half, m_new, scale_log2);
         }
         if (idx_in_wg % 4 == 0) scale1[row] = rescale;
-        const float o_rescale = rescale * scale0[row];
-        scale_rows(o, half, o_rescale);
-        rows.sum[half] = rows.sum[half] * o_rescale + page_sum;
+        o_rescale[half] = rescale * scale0[row];
+        rows.sum[half] = rows.sum[half] * o_rescale[half] + page_sum;
     }
+    scale_rows(o, o_rescale);
 }
 
 // Warpgroup 0, once scale1 is known: P0 * scale1 in the input precision (for warpgroup 1).
+// `factor`: the thread's two rows' scale1. Factors of 1 leave P as wg0_softmax converted it.
 template <typename FragS, typename FragP>
-__device__ __forceinline__ void wg0_rescale_p(FragS const& s, FragP& p, const float* scale1, int idx_in_wg) {
+__device__ __forceinline__ void wg0_rescale_p(FragS const& s, FragP& p, const float (&factor)[2]) {
     using Element = typename FragP::value_type;
+    if (!warp_needs_rescale(factor)) return;
     CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-        const float factor = scale1[fragment_row(half, idx_in_wg)];
-        CUTE_UNROLL
-        for (int i = half * 2; i < size(s); i += 4) {
-            p(i) = Element(s(i) * factor);
-            p(i + 1) = Element(s(i + 1) * factor);
-        }
+    for (int i = 0; i < size(s); i += 2) {
+        p(i) = Element(s(i) * factor[(i / 2) % 2]);
+        p(i + 1) = Element(s(i + 1) * factor[(i / 2) % 2]);
     }
 }
 
 // Warpgroup 0, once scale1 is known: O_L and its sums follow the max of the odd page.
 template <typename FragO>
-__device__ __forceinline__ void wg0_rescale_o(FragO& o, RowState& rows, const float* scale1, int idx_in_wg) {
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-        const float factor = scale1[fragment_row(half, idx_in_wg)];
-        scale_rows(o, half, factor);
-        rows.sum[half] *= factor;
-    }
+__device__ __forceinline__ void wg0_rescale_o(FragO& o, RowState& rows, const float (&factor)[2]) {
+    rows.sum[0] *= factor[0];
+    rows.sum[1] *= factor[1];
+    scale_rows(o, factor);
+}
+
+// This thread's two rows' scale1, published by warpgroup 1.
+__device__ __forceinline__ void read_scale1(const float* scale1, int idx_in_wg, float (&factor)[2]) {
+    factor[0] = scale1[fragment_row(0, idx_in_wg)];
+    factor[1] = scale1[fragment_row(1, idx_in_wg)];
 }
 
 }  // namespace flashmla
