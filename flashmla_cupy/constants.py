@@ -16,6 +16,13 @@ COMBINE_WARPS = 8           # one query row per warp
 FIXED_OVERHEAD_BLOCKS = 5   # scheduler: cost of one request piece beyond its pages, in pages
 SCHED_META_INTS = 8         # ints per SM part in tile_scheduler_metadata
 
+# DeepSeek-V3.2's FP8 KV cache (sparse decoding): per token 512 float8_e4m3 NoPE values, one
+# float32 scale per 128 of them, then the 64 RoPE values in bf16 (656 bytes).
+FP8_QUANT_TILE = 128        # NoPE values per scale
+FP8_NUM_SCALES = HEAD_DIM_V // FP8_QUANT_TILE
+HEAD_DIM_ROPE = HEAD_DIM_K - HEAD_DIM_V
+FP8_TOKEN_BYTES = HEAD_DIM_V + 4 * FP8_NUM_SCALES + 2 * HEAD_DIM_ROPE
+
 # Codes of the errors that the kernels record (errors.py turns them into messages).
 ERROR_SEQLEN_NEGATIVE = 1   # cache_seqlens[i] < 0 (metadata kernel)
 ERROR_SEQLEN_RANGE = 2      # cache_seqlens[i] outside [0, 64 * block_table columns] (split-KV kernel)
@@ -23,7 +30,8 @@ ERROR_BLOCK_ID = 3          # a block id the call reads is outside [0, num_block
 ERROR_SCHEDULE = 4          # metadata / num_splits inconsistent with this batch (split-KV, combine)
 
 _SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "PAGE_BLOCK_SIZE", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
-           "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "ERROR_SEQLEN_NEGATIVE",
+           "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
+           "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",
            "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE")
 
 
