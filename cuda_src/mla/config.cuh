@@ -29,4 +29,12 @@ static_assert(kPageBlock == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "on
 constexpr int kFixedOverheadBlocks = FLASHMLA_FIXED_OVERHEAD_BLOCKS;
 constexpr int kSchedMetaInts = FLASHMLA_SCHED_META_INTS;   // [begin_req, begin_token, end_req, end_token, begin_split, -, -, -]
 
+// DeepSeek-V3.2's FP8 cache token: 512 float8_e4m3 NoPE values, a float32 scale per 128 of
+// them, 64 bf16 RoPE values.
+constexpr int kFp8QuantTile = FLASHMLA_FP8_QUANT_TILE;
+constexpr int kFp8NumScales = FLASHMLA_FP8_NUM_SCALES;
+constexpr int kHeadDimRope = FLASHMLA_HEAD_DIM_ROPE;
+constexpr int kFp8TokenBytes = FLASHMLA_FP8_TOKEN_BYTES;
+static_assert(kFp8TokenBytes == kHeadDimV + 4 * kFp8NumScales + 2 * kHeadDimRope, "FP8 token layout");
+
 }  // namespace flashmla
