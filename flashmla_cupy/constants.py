@@ -12,6 +12,7 @@ PAGE_BLOCK_SIZE = 64        # tokens per KV-cache page
 BLOCK_M = 64                # query rows (heads x MTP tokens) per split-KV CTA
 TMA_BOX = 64                # a TMA box is 64 rows x 64 columns (128 bytes of 16-bit values: one swizzle atom)
 SPLITKV_THREADS = 256       # two warpgroups
+SPARSE_PRODUCER_THREADS = 128   # the sparse kernel's third warpgroup: gathers and dequantizes tokens
 COMBINE_WARPS = 8           # one query row per warp
 FIXED_OVERHEAD_BLOCKS = 5   # scheduler: cost of one request piece beyond its pages, in pages
 SCHED_META_INTS = 8         # ints per SM part in tile_scheduler_metadata
@@ -30,6 +31,7 @@ ERROR_BLOCK_ID = 3          # a block id the call reads is outside [0, num_block
 ERROR_SCHEDULE = 4          # metadata / num_splits inconsistent with this batch (split-KV, combine)
 
 _SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "PAGE_BLOCK_SIZE", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
+           "SPARSE_PRODUCER_THREADS",
            "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
            "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",
            "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE")

@@ -9,13 +9,14 @@ Work runs on CuPy's current device, on ``stream`` (default: CuPy's current strea
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 
 import cupy
 import numpy as np
 
-from . import checks, errors, interop, launch, programs, scheduler
+from . import checks, errors, interop, launch, programs, scheduler, sparse
 from .constants import FIXED_OVERHEAD_BLOCKS, PAGE_BLOCK_SIZE, SCHED_META_INTS
 from .params import MetadataParams
 from .plan import CallPlan, MLAWorkspace, layout_key
@@ -23,21 +24,42 @@ from .plan import CallPlan, MLAWorkspace, layout_key
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "get_mla_workspace", "metadata_shapes", "MLAWorkspace"]
 
 
-def metadata_shapes(batch: int, num_heads_per_head_k: int, num_heads_k: int) -> tuple[tuple, tuple]:
+def _schedule_shape(batch: int, num_heads_per_head_k: int, num_heads_k: int, num_heads_q, topk):
+    """(requests, query rows per request, kv heads) as the kernels see them: sparse decoding
+    (``topk`` given) makes every query token a request of its own with h_q rows."""
+    if topk is None:
+        return batch, num_heads_per_head_k, num_heads_k
+    topk = checks.require_int(topk, "topk", 1)
+    h_q = checks.require_int(num_heads_q, "num_heads_q (needed with topk)", 1)
+    if num_heads_k != 1 or num_heads_per_head_k % h_q:
+        raise ValueError(f"sparse decoding (topk given) needs num_heads_k = 1 and num_heads_per_head_k = "
+                         f"s_q * h_q, a multiple of num_heads_q = {h_q}; got {num_heads_per_head_k}, {num_heads_k}")
+    return batch * (num_heads_per_head_k // h_q), h_q, 1
+
+
+def metadata_shapes(batch: int, num_heads_per_head_k: int, num_heads_k: int, num_heads_q=None,
+                    topk=None) -> tuple[tuple, tuple]:
     """Shapes of ``get_mla_metadata``'s two int32 outputs on CuPy's current device:
-    ``((num_sm_parts, 8), (batch + 1,))`` (for preallocated ``out=`` buffers)."""
+    ``((num_sm_parts, 8), (requests + 1,))`` (for preallocated ``out=`` buffers); requests is
+    batch, or batch * s_q with ``topk`` (sparse decoding)."""
+    requests, rows, h_kv = _schedule_shape(batch, num_heads_per_head_k, num_heads_k, num_heads_q, topk)
     props = checks.require_hopper(cupy.cuda.runtime.getDevice())
-    parts = scheduler.num_sm_parts(props["sm_count"], num_heads_per_head_k, num_heads_k)
-    return (parts, SCHED_META_INTS), (batch + 1,)
+    parts = scheduler.num_sm_parts(props["sm_count"], rows, h_kv)
+    return (parts, SCHED_META_INTS), (requests + 1,)
 
 
-def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int, *, out=None, stream=None):
+def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int, num_heads_q=None,
+                     is_fp8_kvcache: bool = False, topk=None, *, out=None, stream=None):
     """Tile-scheduler metadata for one batch of decoding requests.
 
     Args:
-        cache_seqlens: int32 ``[batch]`` on the GPU, tokens in each request's KV cache.
+        cache_seqlens: int32 ``[batch]`` on the GPU, tokens in each request's KV cache (with
+            ``topk``, only its length is used).
         num_heads_per_head_k: query rows per KV head, ``s_q * h_q // h_kv``.
         num_heads_k: KV heads ``h_kv`` (1 for DeepSeek's MLA).
+        num_heads_q, is_fp8_kvcache, topk: sparse decoding (DeepSeek-V3.2, FlashMLA's
+            interface): ``topk`` = indices' last dim, every query token is scheduled as a
+            request of ``topk`` tokens; ``num_heads_q`` = h_q is then required.
         out: optional preallocated ``(tile_scheduler_metadata, num_splits)`` (shapes from
             ``metadata_shapes``); given, they are written and returned.
         stream: where to run (default: CuPy's current stream); see ``flash_mla_with_kvcache``.
@@ -50,13 +72,13 @@ def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int,
     """
     stream_ptr = interop.stream_handle(stream)
     seqlens, heads_per_kv, h_kv, props = checks.metadata_inputs(cache_seqlens, num_heads_per_head_k, num_heads_k)
+    batch, heads_per_kv, h_kv = _schedule_shape(seqlens.shape[0], heads_per_kv, h_kv, num_heads_q, topk)
     device_id = cupy.cuda.runtime.getDevice()
     record = errors.record(device_id)
     errors.raise_pending(record)
     if stream is None and type(cache_seqlens) is interop.torch_tensor_type():
         interop.wait_for_torch(device_id, stream_ptr)
     parts = scheduler.num_sm_parts(props["sm_count"], heads_per_kv, h_kv)
-    batch = seqlens.shape[0]
     if out is None:
         with interop.on_stream(stream_ptr):          # the pool ties memory to its stream
             metadata = cupy.empty((parts, SCHED_META_INTS), dtype=np.int32)
@@ -69,6 +91,7 @@ def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int,
     p = run.params
     p.seqlens, p.sched_meta, p.num_splits = seqlens.data.ptr, metadata.data.ptr, num_splits.data.ptr
     p.error, p.batch, p.num_sm_parts = errors.kernel_pointer(record), batch, parts
+    p.uniform_seqlen = -1 if topk is None else topk
     run()
     errors.after_launch(record, stream_ptr)
     return result
@@ -91,7 +114,8 @@ def _metadata_launch(device_id: int, stream_ptr: int) -> launch.Launch:
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int,
                            tile_scheduler_metadata, num_splits, softmax_scale: float | None = None,
-                           causal: bool = False, *, out=None, lse=None, workspace=None, stream=None):
+                           causal: bool = False, is_fp8_kvcache: bool = False, indices=None, attn_sink=None,
+                           topk_length=None, *, out=None, lse=None, workspace=None, stream=None):
     """Paged MLA decoding attention (FlashMLA's interface) on CuPy arrays or torch tensors.
 
     Args:
@@ -114,6 +138,20 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             ``cuda_stream`` / ``__cuda_stream__`` (torch streams); default CuPy's current
             stream. Inputs must be ready on it.
 
+    Sparse decoding (DeepSeek-V3.2; ``indices`` given, FlashMLA's semantics):
+        is_fp8_kvcache: must be True: k_cache is ``[num_blocks, page_block_size, 1, 656]`` bytes
+            (uint8 / int8 / float8_e4m3fn), per token 512 e4m3 values, 4 float32 scales (one
+            per 128 values), 64 bf16 RoPE values (``flashmla_cupy.quant`` builds it); any
+            page_block_size; q bf16. block_table and cache_seqlens are not used.
+        indices: int32 ``[batch, s_q, topk]``, ``block * page_block_size + offset`` of each token a
+            query token attends; -1 or any id outside the cache is skipped (duplicates count twice).
+        attn_sink: float32 ``[h_q]`` or None: out *= exp(lse) / (exp(lse) + exp(attn_sink[h])).
+        topk_length: int32 ``[batch]`` or None: only the first ``topk_length[b]`` indices count
+            (clamped to [0, topk]).
+        Metadata from ``get_mla_metadata(cache_seqlens, s_q * h_q, 1, h_q, True, topk)``. Inside,
+        Q's and the cache's NoPE parts are fp16 (exact for e4m3 values times power-of-two scales
+        up to 2^7 — what ``quant`` produces for |values| < 57344 — and for |q| < 65504).
+
     Returns:
         ``(out, lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype and float32 ``[batch, h_q, s_q]``
         (natural-log sum of exp of the scaled scores); CuPy arrays unless given. A row that
@@ -128,6 +166,13 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     """
     stream_ptr = cupy.cuda.get_current_stream().ptr if stream is None else interop.stream_handle(stream)
     device_id = cupy.cuda.runtime.getDevice()
+    if indices is not None:
+        return _sparse_call(device_id, stream_ptr, stream, q, k_cache, head_dim_v, tile_scheduler_metadata,
+                            num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
+                            out, lse, workspace)
+    if is_fp8_kvcache is not False or attn_sink is not None or topk_length is not None:
+        raise ValueError("is_fp8_kvcache, attn_sink and topk_length are for sparse decoding (pass indices); "
+                         "the dense kernel reads a bf16/fp16 cache")
     arrays = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     layout = layout_key(*arrays)
     from_torch = layout is not None and layout[0][0] == "torch"
@@ -184,3 +229,24 @@ def _new_plan(key, stream_ptr, q, k_cache, block_table, cache_seqlens, head_dim_
         if len(_plans) > _MAX_PLANS:
             _plans.popitem(last=False)
     return plan
+
+
+def _sparse_call(device_id, stream_ptr, stream, q, k_cache, head_dim_v, metadata, num_splits, softmax_scale,
+                 causal, is_fp8_kvcache, indices, attn_sink, topk_length, out, lse, workspace):
+    """Sparse decoding: checked on every call (the plan is kept per layout)."""
+    inputs, arrays = sparse.sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, causal,
+                                          is_fp8_kvcache, indices, attn_sink, topk_length)
+    if os.environ.get(sparse.EXPERIMENTAL_ENV) != "1":
+        raise NotImplementedError(f"sparse FP8 decoding (indices=...) is not finished: its kernel does not yet "
+                                  f"match the reference; {sparse.EXPERIMENTAL_ENV}=1 runs it for development")
+    if stream is None and any(type(x) is interop.torch_tensor_type() for x in (q, k_cache, indices)):
+        interop.wait_for_torch(device_id, stream_ptr)
+    key = ("sparse", device_id, stream_ptr, inputs)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = sparse.SparsePlan(inputs, stream_ptr)
+        with _plans_lock:
+            _plans[key] = plan
+            if len(_plans) > _MAX_PLANS:
+                _plans.popitem(last=False)
+    return plan.run(arrays, out, lse, workspace)

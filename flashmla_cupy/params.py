@@ -30,6 +30,10 @@ class SplitKVParams(ctypes.Structure):
         ("o_accum", ctypes.c_uint64),
         ("o", ctypes.c_uint64),
         ("error", ctypes.c_uint64),
+        ("indices", ctypes.c_uint64),
+        ("topk_length", ctypes.c_uint64),
+        ("attn_sink", ctypes.c_uint64),
+        ("cache", ctypes.c_uint64),
         ("block_table_stride", ctypes.c_int64),
         ("max_blocks_per_seq", ctypes.c_int32),
         ("num_blocks", ctypes.c_int32),
@@ -42,6 +46,13 @@ class SplitKVParams(ctypes.Structure):
         ("h_kv", ctypes.c_int32),
         ("causal", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
+        ("indices_stride_b", ctypes.c_int64),
+        ("indices_stride_s", ctypes.c_int64),
+        ("cache_block_stride", ctypes.c_int64),
+        ("cache_tokens", ctypes.c_int64),
+        ("topk", ctypes.c_int32),
+        ("page_block_size", ctypes.c_int32),
+        ("sparse_s_q", ctypes.c_int32),
     ]
 
 
@@ -53,6 +64,7 @@ class CombineParams(ctypes.Structure):
         ("o", ctypes.c_uint64),
         ("lse", ctypes.c_uint64),
         ("error", ctypes.c_uint64),
+        ("attn_sink", ctypes.c_uint64),
         ("batch", ctypes.c_int32),
         ("q_rows", ctypes.c_int32),
         ("h_kv", ctypes.c_int32),
@@ -61,6 +73,7 @@ class CombineParams(ctypes.Structure):
         ("h_q", ctypes.c_int32),
         ("max_splits", ctypes.c_int32),
         ("total_splits", ctypes.c_int32),
+        ("sparse_s_q", ctypes.c_int32),
     ]
 
 
@@ -74,6 +87,7 @@ class MetadataParams(ctypes.Structure):
         ("block_n", ctypes.c_int32),
         ("fixed_overhead_blocks", ctypes.c_int32),
         ("num_sm_parts", ctypes.c_int32),
+        ("uniform_seqlen", ctypes.c_int32),
     ]
 
 

@@ -190,7 +190,7 @@ class CallPlan:
         p.block_table_stride, p.max_blocks_per_seq = a.block_table_stride, a.block_table_columns
         p.num_blocks, p.total_splits = a.k_cache_shape[0], a.batch + a.num_sm_parts
         p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.batch, a.s_q, a.q_rows, a.heads_per_kv
-        p.h_q, p.h_kv, p.causal = a.h_q, a.h_kv, int(a.causal)
+        p.h_q, p.h_kv, p.causal, p.sparse_s_q = a.h_q, a.h_kv, int(a.causal), 1
         p.scale_log2 = a.softmax_scale * math.log2(math.e)
 
         rows_per_batch = a.h_kv * a.q_rows
@@ -200,6 +200,7 @@ class CallPlan:
         c = self.combine.params
         c.batch, c.q_rows, c.h_kv, c.heads_per_kv = a.batch, a.q_rows, a.h_kv, a.heads_per_kv
         c.s_q, c.h_q, c.max_splits, c.total_splits = a.s_q, a.h_q, a.num_sm_parts, a.batch + a.num_sm_parts
+        c.sparse_s_q = 1
         self._splitkv_pointers = _pointer_run(SplitKVParams, _SPLITKV_POINTERS)
         self._combine_pointers = _pointer_run(CombineParams, _COMBINE_POINTERS)
 

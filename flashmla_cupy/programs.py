@@ -11,16 +11,18 @@ from .compiler import Program
 from .params import layout_defines
 
 DTYPE_TAGS = ("bf16", "fp16")
+SPARSE_FP8_TAG = "fp8_sparse"
 _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
 
 def _splitkv_smem_bytes() -> int:
     """The split-KV kernel's SharedStorage (splitkv_traits.cuh; the compile checks they agree):
     Q and two pages of 64 x 576 16-bit values, P0 (64 x 64), five 64-float row vectors, two
-    bad-request flags, 19 mbarriers, padded to 1024 bytes."""
+    bad-request flags, two 64-bit token masks, 23 mbarriers, padded to 1024 bytes."""
     tile = constants.BLOCK_M * constants.TMA_BOX * 2
     tiles_k = constants.HEAD_DIM_K // constants.TMA_BOX
-    size = 3 * tiles_k * tile + tile + 5 * constants.BLOCK_M * 4 + 2 * 4 + (2 * tiles_k + 1) * 8
+    size = (3 * tiles_k * tile + tile + 5 * constants.BLOCK_M * 4 + 2 * 4 + 2 * 8
+            + (2 * tiles_k + 4 + 1) * 8)
     return -(-size // 1024) * 1024
 
 
@@ -32,8 +34,11 @@ def _mla_defines() -> tuple[tuple[str, str], ...]:
 
 
 def splitkv_program(tag: str) -> Program:
-    return Program(f"splitkv_mla<{tag}>", "mla/splitkv_kernel.cu",
-                   (f"flashmla::splitkv_mla_kernel<{_CTYPES[tag]}>",),
+    """The split-KV kernel for a q/cache dtype tag, or ``SPARSE_FP8_TAG`` (DeepSeek-V3.2's sparse
+    decoding over the FP8 cache: bf16 q, fp16 NoPE inside)."""
+    kernel = ("flashmla::splitkv_mla_kernel<cutlass::half_t, true>" if tag == SPARSE_FP8_TAG
+              else f"flashmla::splitkv_mla_kernel<{_CTYPES[tag]}, false>")
+    return Program(f"splitkv_mla<{tag}>", "mla/splitkv_kernel.cu", (kernel,),
                    _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
 
 
@@ -48,8 +53,8 @@ def metadata_program() -> Program:
 
 
 def mla_programs() -> list[Program]:
-    return [*(splitkv_program(t) for t in DTYPE_TAGS), *(combine_program(t) for t in DTYPE_TAGS),
-            metadata_program()]
+    return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG)),
+            *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
 
 
 def all_programs() -> list[Program]:

@@ -10,6 +10,10 @@ accepts NumPy arrays or CuPy arrays and returns arrays of the same library, so t
   for the output per KV head.
 * ``mla_decode_dense``: the same attention, written naively on a dense per-request cache with
   explicit loops; it exists to cross-check ``mla_decode`` in the tests.
+* ``mla_decode_sparse``: DeepSeek-V3.2's sparse decoding (``flash_mla_with_kvcache`` with
+  ``indices``): each query token attends to its own list of cache tokens, with an optional
+  attention sink and per-request top-k lengths, on a float cache or the 656-byte FP8 one
+  (``flashmla_cupy.quant``).
 * ``attention``: standard (optionally causal) attention, for the minimal FlashAttention kernel.
 * ``cos_diff``, ``max_abs_error``: the comparison criteria of the tests (FlashMLA's tests require
   ``cos_diff < 1e-5`` between kernel and reference).
@@ -22,6 +26,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from . import quant
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,6 +59,11 @@ def to_float64(x):
         bits = x.view(np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
     return x.astype(np.float64)
+
+
+def _in_library(x, xp):
+    """``x`` as an array of ``xp`` (NumPy or CuPy), copied between host and GPU if needed."""
+    return _to_host(x) if xp is np else xp.asarray(x)
 
 
 def _same_library(x, y):
@@ -191,6 +202,121 @@ def mla_decode_dense(q, k, seqlens, head_dim_v: int = 512, softmax_scale: float 
                 m = scores.max()
                 lse[i, h, t] = m + math.log(np.exp(scores - m).sum())
                 out[i, t, h] = np.exp(scores - lse[i, h, t]) @ keys[:, :head_dim_v]
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse MLA decoding (DeepSeek-V3.2)
+# --------------------------------------------------------------------------------------------
+
+def _is_fp8_cache(k_cache) -> bool:
+    """The rule for ``k_cache``: bytes (uint8, int8, float8_e4m3fn) are the 656-byte FP8 layout."""
+    return k_cache.dtype.name in quant.BYTE_DTYPES
+
+
+def _check_sparse_arguments(q, k_cache, indices, attn_sink, topk_length, head_dim_v):
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [b, s_q, h_q, d] and k_cache [num_blocks, page_block_size, 1, d]; "
+                         f"got shapes {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    b, s_q, h_q, d = q.shape
+    if k_cache.shape[2] != 1:
+        raise ValueError(f"k_cache must have one KV head (sparse decoding shares the indices across "
+                         f"heads); got shape {tuple(k_cache.shape)}")
+    if _is_fp8_cache(k_cache):
+        if k_cache.shape[3] != quant.FP8_TOKEN_BYTES or d != quant.HEAD_DIM_K:
+            raise ValueError(f"an FP8 k_cache ({k_cache.dtype}) must be [num_blocks, page_block_size, 1, "
+                             f"{quant.FP8_TOKEN_BYTES}] and q [b, s_q, h_q, {quant.HEAD_DIM_K}]; got shapes "
+                             f"{tuple(k_cache.shape)} and {tuple(q.shape)}")
+    elif k_cache.shape[3] != d:
+        raise ValueError(f"q's and k_cache's head dims differ: {d} and {k_cache.shape[3]}")
+    if not 0 < head_dim_v <= d:
+        raise ValueError(f"head_dim_v must be in [1, {d}] (V is the first head_dim_v columns of K); got {head_dim_v}")
+    if indices.ndim != 3 or tuple(indices.shape[:2]) != (b, s_q):
+        raise ValueError(f"indices must be [{b}, {s_q}, topk]; got shape {tuple(indices.shape)}")
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers (int32); got {indices.dtype}")
+    if topk_length is not None:
+        if tuple(topk_length.shape) != (b,):
+            raise ValueError(f"topk_length must be [{b}]; got shape {tuple(topk_length.shape)}")
+        if topk_length.dtype.kind not in "iu":
+            raise TypeError(f"topk_length must be integers (int32); got {topk_length.dtype}")
+    if attn_sink is not None and tuple(attn_sink.shape) != (h_q,):
+        raise ValueError(f"attn_sink must be [{h_q}] (one value per query head); got shape {tuple(attn_sink.shape)}")
+
+
+def mla_decode_sparse(q, k_cache, indices, softmax_scale: float | None = None, attn_sink=None,
+                      topk_length=None, head_dim_v: int = 512):
+    """Sparse MLA decoding in float64 (``flash_mla_with_kvcache`` with ``indices``: DeepSeek-V3.2).
+
+    Args:
+        q: ``[b, s_q, h_q, d]``, any float dtype (``ml_dtypes.bfloat16`` included); d = 576 for
+            DeepSeek (and the FP8 cache), any d >= head_dim_v with a float cache.
+        k_cache: the paged cache, one KV head, either floats ``[num_blocks, page_block_size, 1, d]``
+            or DeepSeek-V3.2's FP8 cache: **a byte dtype (uint8, int8, float8_e4m3fn) means the
+            656-byte layout** ``[num_blocks, page_block_size, 1, 656]`` (``flashmla_cupy.quant``),
+            which is dequantized exactly to float64. V is the first head_dim_v columns of K.
+        indices: int ``[b, s_q, topk]``: the cache tokens that query token j of request i attends
+            to, each ``block * page_block_size + offset`` (a row of the cache with its first two
+            axes flattened). An index < 0 (-1 pads) or >= ``num_blocks * page_block_size`` is
+            skipped; an index given twice counts twice.
+        softmax_scale: multiplies the scores Q K^T; default ``d ** -0.5``.
+        attn_sink: float ``[h_q]``, optional: head h's output is multiplied by
+            ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``; lse is left as it is. -inf changes
+            nothing, +inf makes the output 0.
+        topk_length: int ``[b]``, optional: request i uses only ``indices[i, :, :topk_length[i]]``
+            (clamped to ``[0, topk]``); the indices after them are never read.
+        head_dim_v: columns of V.
+
+    Returns:
+        ``(out, lse)`` in float64: ``[b, s_q, h_q, head_dim_v]`` and ``[b, h_q, s_q]`` (natural-log
+        logsumexp of the scaled scores). A query token with no index left gets out = 0,
+        lse = +inf. Arrays of q's library: q and k_cache are both NumPy or both CuPy arrays;
+        indices, attn_sink and topk_length may be either. Cache rows that no used index points to
+        are never read into the arithmetic (they may hold NaN).
+    """
+    xp = _array_module(q)
+    if _array_module(k_cache) is not xp:
+        raise TypeError("q and k_cache must both be NumPy arrays or both be CuPy arrays")
+    indices = _in_library(indices, xp)
+    attn_sink = None if attn_sink is None else _in_library(attn_sink, xp)
+    topk_length = None if topk_length is None else _to_host(topk_length)
+    _check_sparse_arguments(q, k_cache, indices, attn_sink, topk_length, head_dim_v)
+    b, s_q, h_q, d = q.shape
+    topk = indices.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    lengths = np.full(b, topk) if topk_length is None else np.clip(topk_length.astype(np.int64), 0, topk)
+    tokens = k_cache.reshape(-1, k_cache.shape[3])            # row = block * page_block_size + offset
+    sink = None if attn_sink is None else to_float64(attn_sink)
+
+    q64 = to_float64(q)
+    out = xp.zeros((b, s_q, h_q, head_dim_v), dtype=np.float64)
+    lse = xp.full((b, h_q, s_q), np.inf, dtype=np.float64)
+    for i in range(b):
+        idx = indices[i, :, :int(lengths[i])].astype(np.int64)              # [s_q, n]
+        valid = (idx >= 0) & (idx < tokens.shape[0])
+        if not bool(valid.any()):
+            continue
+        # Skipped slots gather token 0 and are zeroed before any arithmetic: no NaN gets in.
+        rows = tokens[xp.where(valid, idx, 0)]                               # [s_q, n, d or 656]
+        keys = quant.dequantize_fp8_sparse(rows, np.float64) if _is_fp8_cache(k_cache) else to_float64(rows)
+        keys = xp.where(valid[..., None], keys, 0.0)
+        scores = xp.where(valid[:, None, :], (q64[i] @ keys.swapaxes(1, 2)) * scale, -np.inf)  # [s_q, h_q, n]
+        row_max = scores.max(axis=2)
+        # A row with no valid index has max -inf: shift it by 0 instead, so its exps are all 0.
+        shift = xp.where(xp.isfinite(row_max), row_max, 0.0)
+        weights = xp.exp(scores - shift[..., None])
+        sums = weights.sum(axis=2)
+        empty = sums == 0
+        sums = xp.where(empty, 1.0, sums)
+        o = (weights @ keys[..., :head_dim_v]) / sums[..., None]             # empty rows: 0 / 1
+        row_lse = xp.where(empty, np.inf, xp.log(sums) + shift)             # [s_q, h_q]
+        if sink is not None:
+            # exp(lse) / (exp(lse) + exp(sink)) as exp(lse - logaddexp(lse, sink)): no overflow,
+            # exactly 1 for sink = -inf, 0 for +inf. Empty rows (lse 0 here) stay 0.
+            live_lse = xp.where(empty, 0.0, row_lse)
+            o *= xp.exp(live_lse - xp.logaddexp(live_lse, sink))[..., None]
+        out[i] = o
+        lse[i] = row_lse.T
     return out, lse
 
 

@@ -28,6 +28,11 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
                  :: "r"(bar), "r"(bytes) : "memory");
 }
 
+// A plain arrival (a thread that filled shared memory itself, or released a buffer).
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
 // Spin until the phase with parity `phase` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t phase) {
     asm volatile(
@@ -55,6 +60,16 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int num_threads) {
 // (WGMMA operands) reads them or a TMA load overwrites them.
 __device__ __forceinline__ void fence_smem_for_async_proxy() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Warp-specialized kernels: a warpgroup gives registers back (producer) or takes them (consumer).
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_release_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_claim_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kRegs));
 }
 
 }  // namespace flashmla

@@ -12,6 +12,7 @@
 #include "common/numeric.cuh"
 #include "common/pdl.cuh"
 #include "mla/config.cuh"
+#include "mla/output_layout.cuh"
 #include "mla/params.cuh"
 
 namespace flashmla {
@@ -23,20 +24,19 @@ template <typename Element>
 __device__ __forceinline__ void store_row(const CombineParams& p, int batch_idx, int row_in_batch,
                                           const float4 (&acc)[kCombineVecs], float total_lse, int lane) {
     const int kv_head = row_in_batch / p.q_rows, q_row = row_in_batch % p.q_rows;
+    const int head = kv_head * p.heads_per_kv + q_row % p.heads_per_kv;
+    const int token = q_row / p.heads_per_kv;
     Element* o = static_cast<Element*>(p.o) +
                  (((int64_t)batch_idx * p.q_rows + q_row) * p.h_kv + kv_head) * kHeadDimV;
+    const float factor = sink_factor(p.attn_sink, head, total_lse);
     cutlass::NumericArrayConverter<Element, float, 4> convert;
     #pragma unroll
     for (int v = 0; v < kCombineVecs; ++v) {
         cutlass::Array<float, 4> x;
-        x[0] = acc[v].x; x[1] = acc[v].y; x[2] = acc[v].z; x[3] = acc[v].w;
+        x[0] = acc[v].x * factor; x[1] = acc[v].y * factor; x[2] = acc[v].z * factor; x[3] = acc[v].w * factor;
         *reinterpret_cast<cutlass::Array<Element, 4>*>(o + (v * 32 + lane) * 4) = convert(x);
     }
-    if (lane == 0) {
-        const int head = kv_head * p.heads_per_kv + q_row % p.heads_per_kv;
-        const int token = q_row / p.heads_per_kv;
-        p.lse[((int64_t)batch_idx * p.h_q + head) * p.s_q + token] = total_lse / kLog2e;
-    }
+    if (lane == 0) p.lse[lse_index(batch_idx, head, token, p.h_q, p.s_q, p.sparse_s_q)] = total_lse / kLog2e;
 }
 
 template <typename Element>

@@ -21,6 +21,7 @@ constexpr int kTileCols = FLASHMLA_TMA_BOX;        // one TMA box / swizzle atom
 constexpr int kTilesK = kHeadDimK / kTileCols;     // 9 tiles per K (or Q) row block
 constexpr int kTilesV = kHeadDimV / kTileCols;     // 8 tiles per V row block
 constexpr int kSplitKVThreads = FLASHMLA_SPLITKV_THREADS;
+constexpr int kSparseProducerThreads = FLASHMLA_SPARSE_PRODUCER_THREADS;
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
 static_assert(kPageBlock == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "one TMA box is one page x 64 columns");
 

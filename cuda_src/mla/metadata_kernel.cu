@@ -20,8 +20,13 @@ __device__ __forceinline__ int pages_of(int seqlen, int block_n) {
     return seqlen / block_n + (seqlen % block_n != 0);
 }
 
+// Request i's length as given (sparse decoding: every request is topk tokens long).
+__device__ __forceinline__ int request_len(const MetadataParams& p, int i) {
+    return p.uniform_seqlen >= 0 ? p.uniform_seqlen : p.seqlens[i];
+}
+
 __device__ __forceinline__ int scheduled_seqlen(const MetadataParams& p, int i) {
-    const int seqlen = p.seqlens[i];
+    const int seqlen = request_len(p, i);
     if (seqlen < 0) report_error(p.error, FLASHMLA_ERROR_SEQLEN_NEGATIVE, i, 0, seqlen, 0);
     return max(seqlen, 0);
 }
@@ -48,7 +53,7 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
         const int begin_req = req, begin_token = page * p.block_n, begin_split = split;
         long long budget = payload;
         while (req < p.batch) {
-            const int pages_left = pages_of(max(p.seqlens[req], 0), p.block_n) - page;
+            const int pages_left = pages_of(max(request_len(p, req), 0), p.block_n) - page;
             if (budget >= pages_left + overhead) {          // the rest of this request fits
                 splits_so_far += split + 1;
                 p.num_splits[req + 1] = splits_so_far;
@@ -67,7 +72,7 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
         int4* out = reinterpret_cast<int4*>(p.sched_meta + part * kSchedMetaInts);
         out[0] = make_int4(begin_req, begin_token,
                            page > 0 ? req : req - 1,
-                           page > 0 ? page * p.block_n : max(p.seqlens[req - 1], 0));
+                           page > 0 ? page * p.block_n : max(request_len(p, req - 1), 0));
         out[1] = make_int4(begin_split, 0, 0, 0);
     }
 }

@@ -23,6 +23,10 @@ struct SplitKVParams {
     float* o_accum;               // [total_splits][h_kv][q_rows][512]
     void* o;                      // [batch][q_rows][h_kv][512], q's dtype
     int* error;                   // ErrorRecord in mapped host memory, or null (record nothing)
+    const int* indices;           // sparse: [batch][s_q][topk] token ids, block * page + offset
+    const int* topk_length;       // sparse: [batch] or null: only the first topk_length[b] ids count
+    const float* attn_sink;       // sparse: [h_q] or null
+    const uint8_t* cache;         // sparse: the FP8 cache, kFp8TokenBytes per token
     int64_t block_table_stride;
     int max_blocks_per_seq;       // block_table's columns: seqlens must be <= 64 * this
     int num_blocks;               // k_cache's blocks: block ids must be in [0, num_blocks)
@@ -35,6 +39,13 @@ struct SplitKVParams {
     int h_kv;
     int causal;
     float scale_log2;             // softmax_scale * log2(e)
+    int64_t indices_stride_b;     // sparse: elements between requests / query tokens of indices
+    int64_t indices_stride_s;
+    int64_t cache_block_stride;   // sparse: bytes between cache blocks
+    int64_t cache_tokens;         // sparse: num_blocks * page_block_size (ids outside are skipped)
+    int topk;                     // sparse: indices' last dim
+    int page_block_size;          // sparse: tokens per cache block
+    int sparse_s_q;               // sparse: query tokens folded into the request axis (dense: 1)
 };
 
 // Combine kernel: merges the splits of requests that were split across SM parts.
@@ -45,6 +56,7 @@ struct CombineParams {
     void* o;                      // [batch][q_rows][h_kv][512], q's dtype
     float* lse;                   // [batch][h_q][s_q]
     int* error;                   // ErrorRecord, or null
+    const float* attn_sink;       // [h_q] or null
     int batch;
     int q_rows;
     int h_kv;
@@ -53,6 +65,7 @@ struct CombineParams {
     int h_q;
     int max_splits;               // upper bound on any request's splits (num_sm_parts)
     int total_splits;             // rows of lse_accum / o_accum
+    int sparse_s_q;               // query tokens folded into the request axis (dense: 1)
 };
 
 // Tile-scheduler (metadata) kernel.
@@ -65,6 +78,7 @@ struct MetadataParams {
     int block_n;
     int fixed_overhead_blocks;
     int num_sm_parts;
+    int uniform_seqlen;           // >= 0: every request has this length (sparse: topk), seqlens unread
 };
 
 #if !defined(FLASHMLA_SPLITKV_PARAMS_BYTES) || !defined(FLASHMLA_COMBINE_PARAMS_BYTES) || \

@@ -9,6 +9,7 @@
 #include <cutlass/array.h>
 
 #include "common/sync.cuh"
+#include "mla/output_layout.cuh"
 #include "mla/params.cuh"
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
@@ -37,7 +38,7 @@ __device__ __forceinline__ void reduce_row_sums(RowState& rows, typename T::Shar
         const float s = quad_sum(rows.sum[half]);
         if (idx_in_wg % 4 == 0) st.row_sum[wg][fragment_row(half, idx_in_wg)] = s;
     }
-    __syncthreads();
+    consumer_sync<T>();
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const int row = fragment_row(half, idx_in_wg);
@@ -46,6 +47,25 @@ __device__ __forceinline__ void reduce_row_sums(RowState& rows, typename T::Shar
 }
 
 // Row r's lse, written by thread r of the CTA (r < num_rows), after reduce_row_sums.
+// 1 / sum of this thread's two rows (NaN for a bad request), times the attention sink's
+// factor where the request is not split (the combine kernel applies it to split requests).
+template <typename T>
+__device__ __forceinline__ void output_factors(const SplitKVParams& p, typename T::SharedStorage& st,
+                                               const OutputTarget& out, const float (&sums)[2],
+                                               int idx_in_wg, float (&factor)[2]) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+        const float sum = sums[half];
+        const bool empty = sum == 0.0f || sum != sum;   // no visible token (or overflow): O = 0
+        factor[half] = out.bad ? kNaN : empty ? 1.0f : 1.0f / sum;
+        if (T::kSparse && out.split_idx < 0 && !out.bad && !empty) {
+            const int row = fragment_row(half, idx_in_wg);
+            const int head = out.m_block * kBlockM + row;          // sparse: one query token per request
+            if (row < out.num_rows) factor[half] *= sink_factor(p.attn_sink, head, log2f(sum) + st.row_max[row]);
+        }
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void store_lse(const SplitKVParams& p, typename T::SharedStorage& st,
                                           const OutputTarget& out) {
@@ -57,7 +77,7 @@ __device__ __forceinline__ void store_lse(const SplitKVParams& p, typename T::Sh
     if (out.split_idx < 0) {
         const int head = out.kv_head * p.heads_per_kv + q_row % p.heads_per_kv;
         const int token = q_row / p.heads_per_kv;
-        p.lse[((int64_t)out.batch_idx * p.h_q + head) * p.s_q + token] =
+        p.lse[lse_index(out.batch_idx, head, token, p.h_q, p.s_q, p.sparse_s_q)] =
             out.bad ? kNaN : empty ? kInf : logf(sum) + st.row_max[r] * kLn2;
     } else {
         // A NaN split makes the combined row NaN (combine_kernel.cu).

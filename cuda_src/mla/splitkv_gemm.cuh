@@ -18,9 +18,9 @@ __device__ __forceinline__ auto smem_rows(typename T::Element* base) {       // 
     return make_tensor(make_smem_ptr(base), typename T::SmemLayoutRows{});
 }
 
-template <typename T>
-__device__ __forceinline__ auto smem_tile(typename T::Element* base) {       // (64, 64)
-    return make_tensor(make_smem_ptr(base), typename T::SmemLayoutTile{});
+template <typename T, typename E = typename T::Element>
+__device__ __forceinline__ auto smem_tile(E* base) {                        // (64, 64)
+    return make_tensor(make_smem_ptr(base), typename T::SmemLayoutTile{});   // same swizzle for any 16-bit E
 }
 
 // Columns [256*kHalf, 256*kHalf + 256) of V = the page buffer read as V^T: (256, 64 tokens).
@@ -64,11 +64,12 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
     for (int i = 0; i < kCount; ++i) {
         const int tile = (kFirst + i) % kTilesK;
         const uint32_t bar = bar_page + tile * sizeof(uint64_t);
-        if (idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
+        if (!T::kSparse && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
         mbarrier_wait(bar, phase);
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
-        if (tile == kTilesK - 1) {
-            auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(k_tile);
+        if (tile == kTilesK - 1) {      // the RoPE tile (bf16 in the sparse kernel)
+            auto rope_tile = smem_tile<T>(reinterpret_cast<typename T::RopeElement*>(page + tile * kTileElems));
+            auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_tile);
             wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
         } else {
             auto thr = mma.get_slice(idx_in_wg);
@@ -123,11 +124,10 @@ __device__ __forceinline__ void store_p(FragP const& p, typename T::Element* sp,
     cute::copy(copy, thr.retile_S(p), thr.partition_D(smem_tile<T>(sp)));
 }
 
-// A 64 x 64 shared-memory tile -> registers in the WGMMA A-operand layout, with ldmatrix.
-template <typename T, typename FragA>
-__device__ __forceinline__ void load_a_tile(typename T::Element* tile, FragA& a, int idx_in_wg) {
-    auto copy = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, typename T::Element>{},
-                                  typename T::MmaPVRegP{});
+// A 64 x 64 shared-memory tile of E -> registers in the WGMMA A-operand layout, with ldmatrix.
+template <typename T, typename E, typename FragA>
+__device__ __forceinline__ void load_a_tile(E* tile, FragA& a, int idx_in_wg) {
+    auto copy = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, E>{}, typename T::MmaPVRegP{});
     auto thr = copy.get_slice(idx_in_wg);
     cute::copy(copy, thr.partition_S(smem_tile<T>(tile)), thr.retile_D(a));
 }

@@ -30,6 +30,7 @@
 #include "mla/splitkv_gemm.cuh"
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
+#include "mla/sparse_producer.cuh"
 
 namespace flashmla {
 
@@ -59,7 +60,23 @@ struct RequestSpan {
     bool whole, bad;
 };
 
+// Sparse: every request (one query token) was scheduled as topk entries long; only the first
+// topk_length[b] of them count, so pages past those are not read (but `whole` is the schedule's).
+__device__ __forceinline__ RequestSpan sparse_request_span(const SplitKVParams& p, int req, int4 range) {
+    RequestSpan r;
+    const int pages = pages_of(p.topk);
+    r.first_page = req == range.x ? max(range.y, 0) / kPageBlock : 0;
+    r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), pages) : pages;
+    r.whole = r.first_page == 0 && r.end_page == pages;
+    r.seqlen = p.topk_length ? min(max(p.topk_length[req / p.sparse_s_q], 0), p.topk) : p.topk;
+    r.end_page = min(r.end_page, pages_of(r.seqlen));
+    r.bad = false;
+    return r;
+}
+
+template <typename T>
 __device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int m_block, int req, int4 range) {
+    if constexpr (T::kSparse) return sparse_request_span(p, req, range);
     RequestSpan r;
     const int seqlen = p.seqlens[req];
     r.bad = seqlen < 0 || seqlen > (long long)p.max_blocks_per_seq * kPageBlock;
@@ -85,6 +102,7 @@ struct SplitKVCta {
     static constexpr int kTileElems = 64 * kTileCols;
     static constexpr uint32_t kTileBytes = kTileElems * sizeof(Element);
 
+    using Rope = typename T::RopeElement;
     const SplitKVParams& p;
     typename T::SharedStorage& st;
     const int wg, idx;                      // warpgroup, thread within it
@@ -115,6 +133,30 @@ struct SplitKVCta {
     }
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
+    // Sparse: which of the 64 tokens in page buffer `buf` are attended (written by the producer).
+    __device__ __forceinline__ uint64_t token_valid(int buf) const {
+        if constexpr (T::kSparse) return *reinterpret_cast<const uint64_t*>(st.token_valid[buf]);
+        return ~0ull;
+    }
+
+    // Sparse: Q's NoPE tiles (0-7), loaded as bf16, become fp16 in place (one pass per request).
+    __device__ __forceinline__ void q_nope_to_fp16() const {
+        uint4* chunks = reinterpret_cast<uint4*>(st.q);
+        constexpr int kChunks = kTilesV * kTileElems * 2 / 16;
+        for (int c = threadIdx.x; c < kChunks; c += T::kConsumerThreads) {
+            uint4 v = chunks[c];
+            uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+            CUTE_UNROLL
+            for (int i = 0; i < 4; ++i) {
+                const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xffff0000u);
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(hi), "f"(lo));
+            }
+            chunks[c] = v;
+        }
+        fence_smem_for_async_proxy();
+        consumer_sync<T>();
+    }
+
     // Issued by one thread: all of Q for `req` (9 tiles) on bar_q.
     __device__ __forceinline__ void load_q(int req) const {
         mbarrier_arrive_expect_tx(bar_q, kTilesK * kTileBytes);
@@ -126,9 +168,15 @@ struct SplitKVCta {
     }
 
     // Issued by one thread: tiles [kFirst, kLast) of cache page `page_id` into kv[buf]. Whoever
-    // consumes a tile announces its bytes on the tile's barrier (qk_tiles).
+    // consumes a tile announces its bytes on the tile's barrier (qk_tiles). Sparse: the tiles'
+    // group(s) are released to the producer warpgroup, which knows what to load.
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_page_tiles(int buf, int page_id) const {
+        if constexpr (T::kSparse) {
+            if constexpr (kFirst == 0) mbarrier_arrive(smem_u32(&st.bar_free[buf][0]));
+            if constexpr (kLast == kTilesK) mbarrier_arrive(smem_u32(&st.bar_free[buf][1]));
+            return;
+        }
         const uint32_t bar = buf ? bar_kv1 : bar_kv0;
         CUTE_UNROLL
         for (int t = kFirst; t < kLast; ++t) {
@@ -142,9 +190,9 @@ struct SplitKVCta {
     __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r) const {
         if (r.first_page >= r.end_page) return;
         const int* table = p.block_table + req * p.block_table_stride;
-        load_page_tiles<0, kTilesK>(0, block_id(table, req, r.first_page));
+        load_page_tiles<0, kTilesK>(0, T::kSparse ? 0 : block_id(table, req, r.first_page));
         if (r.first_page + 1 < r.end_page) {
-            const int next = block_id(table, req, r.first_page + 1);
+            const int next = T::kSparse ? 0 : block_id(table, req, r.first_page + 1);
             load_page_tiles<4, kTilesK>(1, next);
             load_page_tiles<0, 4>(1, next);
         }
@@ -178,17 +226,17 @@ struct SplitKVCta {
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
         // instead of delaying the TMA requests that need them.
         int next_id0 = 0, next_id1 = 0;
-        if constexpr (!kLast0 && !kLast1) {
+        if constexpr (!kLast0 && !kLast1 && !T::kSparse) {
             if (idx == 0) {
                 next_id0 = block_id(block_table, req, page + 2);
                 if (page + 3 < end_page) next_id1 = block_id(block_table, req, page + 3);
             }
         }
 
-        wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, p.scale_log2,
-                                      first_token, idx);
+        wg0_softmax<!T::kSparse && (kLast0 || kLast1), T::kSparse>(s, pb, o, rows, st.row_max, st.scale0,
+                                                                   p.scale_log2, first_token, token_valid(0), idx);
         named_barrier_arrive(int(WgBarrier::kScale0Ready), 256);
-        if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
+        if constexpr (kLast0 && !T::kSparse) zero_invalid_v_rows<0>(k0, seqlen - first_token);
         pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
         warpgroup_wait<0>();
 
@@ -204,7 +252,7 @@ struct SplitKVCta {
         named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
 
         if constexpr (!kLast0) {
-            if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
+            if constexpr (kLast1 && !T::kSparse) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
             named_barrier_sync(int(WgBarrier::kP1Issued), 256);
             wg0_rescale_o(o, rows, scale1);
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
@@ -232,7 +280,7 @@ struct SplitKVCta {
         const int first_token = (page + 1) * kPageBlock;
         Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
-        if constexpr (!kLast0 && !kLast1) {
+        if constexpr (!kLast0 && !kLast1 && !T::kSparse) {
             if (idx == 0) {
                 next_id0 = block_id(block_table, req, page + 2);
                 if constexpr (!kLast2) next_id1 = block_id(block_table, req, page + 3);
@@ -240,18 +288,18 @@ struct SplitKVCta {
         }
 
         named_barrier_sync(int(WgBarrier::kScale0Ready), 256);
-        wg1_softmax<kLast0, kLast1 || kLast2>(s, pb, o, rows, st.row_max, st.scale0, st.scale1,
-                                              p.scale_log2, first_token, idx);
+        wg1_softmax<kLast0, !T::kSparse && (kLast1 || kLast2), T::kSparse>(
+            s, pb, o, rows, st.row_max, st.scale0, st.scale1, p.scale_log2, first_token, token_valid(1), idx);
         named_barrier_arrive(int(WgBarrier::kScale1Ready), 256);
 
         if constexpr (!kLast0) {
             store_p<T>(pb, p1_buf(), idx);
-            if constexpr (kLast1) zero_invalid_v_rows<1>(k1, seqlen - first_token);
+            if constexpr (kLast1 && !T::kSparse) zero_invalid_v_rows<1>(k1, seqlen - first_token);
             pv_reg_p<T, 1>(pb, k1, o, idx);                      // O_R += P1 V1_R
             fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
         }
         named_barrier_sync(int(WgBarrier::kP0Ready), 256);
-        if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kPageBlock);
+        if constexpr (kLast0 && !T::kSparse) zero_invalid_v_rows<1>(k0, seqlen - first_token + kPageBlock);
         pv_smem_p<T, 1>(st.p0, k0, o, idx);                       // O_R += P0 V0_R
         if constexpr (!kLast0) named_barrier_arrive(int(WgBarrier::kP1Issued), 256);
 
@@ -275,12 +323,16 @@ struct SplitKVCta {
     template <typename FragO>
     __device__ __forceinline__ void mainloop(int first_page, FragO& o, RowState& rows, uint32_t& phase0,
                              uint32_t& phase1) const {
-        Tensor q8 = make_tensor<Element>(typename T::LayoutFragA{});
-        load_a_tile<T>(p1_buf(), q8, idx);
+        Tensor q8 = make_tensor<Rope>(typename T::LayoutFragA{});
+        load_a_tile<T, Rope>(reinterpret_cast<Rope*>(p1_buf()), q8, idx);
         Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kPageBlock>>{});
         int page = first_page;
         if (wg == 0) {
-            qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
+            if constexpr (T::kSparse) {
+                qk_tiles<T, 0, kTilesK, true>(st.q, page_buf(0), bar_kv0, phase0, q8, s, idx);
+            } else {
+                qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
+            }
             phase0 ^= 1;
             named_barrier_sync(int(WgBarrier::kRowMaxInit), 128);
             warpgroup_wait<0>();
@@ -311,9 +363,10 @@ struct SplitKVCta {
     }
 };
 
-template <typename Element>
-__global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
-    using T = SplitKVTraits<Element>;
+template <typename Element, bool kSparse>
+__global__ void __launch_bounds__(SplitKVTraits<Element, kSparse>::kThreads, 1)
+splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
+    using T = SplitKVTraits<Element, kSparse>;
     extern __shared__ __align__(1024) unsigned char smem[];
     auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);
     SplitKVCta<T> cta(p, st);
@@ -323,10 +376,13 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
         tma_prefetch_descriptor(&p.tma_q);
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(cta.bar_q, 1);
+        // Dense: one arrival (the consumer announcing TMA's bytes); sparse: one per producer warp.
+        const uint32_t fills = kSparse ? kSparseProducerThreads / 32 : 1;
         for (int t = 0; t < kTilesK; ++t) {
-            mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), 1);
-            mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), 1);
+            mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
+            mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
+        for (int b = 0; b < 4; ++b) mbarrier_init(smem_u32(&st.bar_free[b / 2][b % 2]), 1);
         mbarrier_init_fence();
     }
     __syncthreads();
@@ -343,15 +399,34 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
     }
     const int begin_split = meta[4];
 
+    if constexpr (kSparse) {
+        if (threadIdx.x >= T::kConsumerThreads) {
+            warpgroup_release_registers<T::kProducerRegs>();
+            SparseProducer<T> producer(p, st);
+            #pragma unroll 1
+            for (int req = begin_req; req <= end_req; ++req) {
+                const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
+                const int* ids = p.indices + (req / p.sparse_s_q) * p.indices_stride_b +
+                                 (req % p.sparse_s_q) * p.indices_stride_s;
+                #pragma unroll 1
+                for (int page = span.first_page; page < span.end_page; ++page) {
+                    producer.fill_page(ids, page, span.seqlen, (page - span.first_page) & 1);
+                }
+            }
+            return;
+        }
+        warpgroup_claim_registers<T::kConsumerRegs>();
+    }
+
     uint32_t phase_q = 0, phase0 = 0, phase1 = 0;
     if (threadIdx.x == 0) {
         cta.load_q(begin_req);
-        cta.load_first_pages(begin_req, request_span(p, cta.m_block, begin_req, range));
+        cta.load_first_pages(begin_req, request_span<T>(p, cta.m_block, begin_req, range));
     }
 
     #pragma unroll 1
     for (int req = begin_req; req <= end_req; ++req) {
-        const RequestSpan span = request_span(p, cta.m_block, req, range);
+        const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
         RowState rows;
         rows.sum[0] = rows.sum[1] = 0.0f;
         CUTE_UNROLL
@@ -375,6 +450,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
 
         mbarrier_wait(cta.bar_q, phase_q);
         phase_q ^= 1;
+        if constexpr (kSparse) cta.q_nope_to_fp16();
         if (span.first_page < span.end_page) cta.mainloop(span.first_page, o, rows, phase0, phase1);
 
         float sums[2];
@@ -383,7 +459,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
             // Q and page buffers are free: the next request loads while this one is written out.
             if (threadIdx.x == 0) {
                 cta.load_q(req + 1);
-                cta.load_first_pages(req + 1, request_span(p, cta.m_block, req + 1, range));
+                cta.load_first_pages(req + 1, request_span<T>(p, cta.m_block, req + 1, range));
             }
         } else {
             pdl_allow_dependents();                             // the combine kernel may start
@@ -402,15 +478,11 @@ __global__ void __launch_bounds__(kSplitKVThreads, 1) splitkv_mla_kernel(const _
         }
         // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
         float inv_sum[2];
-        CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-            inv_sum[half] = out.bad ? kNaN
-                          : (sums[half] == 0.0f || sums[half] != sums[half]) ? 1.0f : 1.0f / sums[half];
-        }
+        output_factors<T>(p, st, out, sums, cta.idx, inv_sum);
         store_o<T>(p, o, inv_sum, out, cta.wg, cta.idx);
         store_lse<T>(p, st, out);
         if (req != end_req) {
-            __syncthreads();                                    // row_max, row_sum, bad_request are reused
+            consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
             if (threadIdx.x == 0) st.bad_request[req & 1] = 0;
         }
     }

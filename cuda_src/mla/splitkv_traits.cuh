@@ -3,20 +3,34 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "common/sync.cuh"
 #include "mla/config.cuh"
 
 namespace flashmla {
 
 using namespace cute;
 
-template <typename Element_>
+// kSparse: DeepSeek-V3.2's sparse decoding over the FP8 cache. A third warpgroup gathers the
+// tokens that `indices` names and dequantizes them into the page buffers; the NoPE part (Q's
+// first 512 columns, K, V, P) is then fp16 — e4m3 values and their power-of-two scales are
+// exact in it, and e4m3 -> fp16 is one instruction per pair — while the RoPE tile stays bf16.
+template <typename Element_, bool kSparse_ = false>
 struct SplitKVTraits {
-    using Element = Element_;
+    using Element = Element_;                  // Q, K, V, P (the NoPE part, for kSparse)
+    static constexpr bool kSparse = kSparse_;
+    using RopeElement = cuda::std::conditional_t<kSparse, cutlass::bfloat16_t, Element>;   // Q and K tile 8
     static_assert(cuda::std::is_same_v<Element, cutlass::bfloat16_t> ||
                   cuda::std::is_same_v<Element, cutlass::half_t>, "bf16 or fp16");
+    static_assert(!kSparse || cuda::std::is_same_v<Element, cutlass::half_t>, "sparse: fp16 NoPE");
 
-    static constexpr int kThreads = kSplitKVThreads;   // two warpgroups, each owning half of O's columns
-    static_assert(kThreads == 256, "the seesaw schedule has two warpgroups");
+    // Two consumer warpgroups, each owning half of O's columns (+ the sparse producer).
+    static constexpr int kConsumerThreads = kSplitKVThreads;
+    static constexpr int kThreads = kConsumerThreads + (kSparse ? kSparseProducerThreads : 0);
+    static_assert(kConsumerThreads == 256, "the seesaw schedule has two warpgroups");
+    static_assert(!kSparse || kSparseProducerThreads == 128, "one producer warpgroup");
+    // Sparse: registers per thread after the split (setmaxnreg); 2 x 128 x 240 + 128 x 24 <= 64K.
+    static constexpr int kConsumerRegs = 240;
+    static constexpr int kProducerRegs = 24;
 
     using BlockM = Int<kBlockM>;
     using Page = Int<kPageBlock>;
@@ -29,7 +43,7 @@ struct SplitKVTraits {
         GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     using MmaQKRegQ = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
+        GMMA::rs_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
     // memory (the other warpgroup's page); V is the cache tile read MN-major.
@@ -66,7 +80,9 @@ struct SplitKVTraits {
         float scale1[kBlockM];           // ... by warpgroup 1
         float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
         int bad_request[2];              // per request parity: a bad block id was seen (NaN output)
-        uint64_t bar_kv[2][kTilesK];     // one TMA barrier per 64-column tile of each page buffer
+        uint16_t token_valid[2][4];      // sparse: per page buffer, bit t = token t is attended
+        uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full)
+        uint64_t bar_free[2][2];         // sparse: tiles 0-3 / 4-8 of a page buffer may be refilled
         uint64_t bar_q;
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
@@ -83,6 +99,17 @@ enum class WgBarrier : int {
     kP0Ready = 3,         // warpgroup 0 stored its rescaled P into p0
     kP1Issued = 4,        // warpgroup 1 stored P1 and issued its WGMMAs reading p0
     kRowMaxInit = 5,      // row_max initialized (warpgroup 0 only)
+    kConsumers = 8,       // both consumer warpgroups (the sparse kernel's __syncthreads)
 };
+
+// __syncthreads of the consumer warpgroups (the sparse producer warpgroup does not take part).
+template <typename T>
+__device__ __forceinline__ void consumer_sync() {
+    if constexpr (T::kSparse) {
+        named_barrier_sync(int(WgBarrier::kConsumers), T::kConsumerThreads);
+    } else {
+        __syncthreads();
+    }
+}
 
 }  // namespace flashmla

@@ -1,0 +1,26 @@
+// Where a query row's results go: lse's index, and the attention sink's factor on its output.
+#pragma once
+#include <cuda/std/cstdint>
+
+#include "common/numeric.cuh"
+
+namespace flashmla {
+
+// lse is [batch][h_q][s_q]. The sparse kernel folds the query tokens into the request axis
+// (request = b * sparse_s_q + s, one token per request); dense requests hold s_q tokens each.
+__device__ __forceinline__ int64_t lse_index(int request, int head, int token, int h_q, int s_q,
+                                             int sparse_s_q) {
+    const int b = request / sparse_s_q;
+    const int s = request % sparse_s_q + token;
+    return ((int64_t)b * h_q + head) * ((int64_t)s_q * sparse_s_q) + s;
+}
+
+// The attention sink scales a row's output by exp(lse) / (exp(lse) + exp(sink)); lse itself is
+// unchanged. `lse_log2`: the row's lse in the log2 domain; +inf (no visible token: the output is
+// already 0) or no sink gives 1.
+__device__ __forceinline__ float sink_factor(const float* attn_sink, int head, float lse_log2) {
+    if (attn_sink == nullptr || lse_log2 == kInf) return 1.0f;
+    return 1.0f / (1.0f + exp2f(attn_sink[head] * kLog2e - lse_log2));
+}
+
+}  // namespace flashmla
