@@ -13,6 +13,10 @@ Public API::
     reference            float64 NumPy/CuPy references (flashmla_cupy.reference)
     flashmla_cupy.flash_mla   FlashMLA's functions on torch tensors (imports torch when used)
 """
+from .versions import check_environment as _check_environment
+
+_check_environment()       # one line naming what to install, before CuPy fails somewhere deeper
+
 from . import reference
 from .attention import flash_attn_minimal
 from .checks import UnsupportedDeviceError

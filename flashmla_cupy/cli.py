@@ -3,16 +3,20 @@
     flashmla-cupy [profile] [mla]      the seed's MLA grid against the measured roofs (default)
     flashmla-cupy profile attention    flash_attn_minimal vs manual attention (seed 000), N sweep
     flashmla-cupy compile              build or verify every kernel's cubin; ptxas report
-    flashmla-cupy info                 device, versions, compile cache
+    flashmla-cupy info                 device, driver, versions, bundled cubins, compile cache
 
 This module only parses arguments and wires the pieces in ``flashmla_cupy.profiler`` together.
+Progress goes to stderr, results to stdout; where a stream is not a terminal (a pipe, a log),
+progress comes as plain lines, without bars.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 SUBCOMMANDS = ("profile", "compile", "info")
+PROFILE_KINDS = ("mla", "attention")         # `flashmla-cupy attention` = `flashmla-cupy profile attention`
 EPILOG = """\
 examples:
   flashmla-cupy                              full seed grid (b 128; s_k 4096/8192/16384; h_q 16-128; s_q 1, 2; varlen off/on)
@@ -40,6 +44,12 @@ def _positive_int(text: str) -> int:
     if len(v) != 1:
         raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
     return v[0]
+
+
+def _arch(text: str) -> str:
+    if not re.fullmatch(r"sm_\d{2,3}[af]?", text):
+        raise argparse.ArgumentTypeError(f"expected an SM target such as sm_90a, got {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("compile", help="build (or verify cached) cubins for every kernel; ptxas report",
                         description="Compile every kernel program with NVRTC into the cubin cache (no GPU "
                                     "needed), showing registers, stack and spills per kernel.")
-    co.add_argument("--arch", help="target, e.g. sm_90a (default: the GPU's, or sm_90a without a GPU)")
+    co.add_argument("--arch", type=_arch, help="target, e.g. sm_90a (default: the GPU's, or sm_90a without a GPU)")
     co.add_argument("--jobs", type=_positive_int, help="parallel compiler processes (default: one per program, "
                                                      "at most the CPU count)")
     co.add_argument("--only", action="append", metavar="NAME",
@@ -146,10 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS + PROFILE_KINDS:
+        parser.error(_unknown_command(argv[0]))
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help", "--version")):
-        argv = ["profile", *argv]
-    args = build_parser().parse_args(argv)
+        argv = ["profile", *argv]           # no command (or only options, or mla/attention): profile
+    args = parser.parse_args(argv)
     return int(args.func(args) or 0)
+
+
+def _unknown_command(word: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, SUBCOMMANDS + PROFILE_KINDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"unknown command {word!r}{hint} (commands: {', '.join(SUBCOMMANDS)}; "
+            f"without one, flashmla-cupy runs profile)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 
 def _console(stderr: bool = False):
-    """A rich console; when the stream is not a terminal (logs, pipes) and COLUMNS is unset, 160
-    columns wide instead of rich's 80, so that the tables keep their shape in captured output."""
+    """A rich console bound to stdout or stderr; when the stream is not a terminal (logs, pipes)
+    and COLUMNS is unset, 160 columns wide instead of rich's 80, so that the tables keep their
+    shape in captured output."""
     import os
 
     from rich.console import Console
@@ -166,7 +189,7 @@ def _console(stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     tty = hasattr(stream, "isatty") and stream.isatty()
     width = None if tty or os.environ.get("COLUMNS") else 160
-    return Console(stderr=stderr, width=width)
+    return Console(file=stream, width=width)
 
 
 def _fail(command: str, message: str) -> SystemExit:
@@ -285,7 +308,8 @@ def _run_with_progress(kind, shape_list, config, gpu, err):
     work = runner.mla_workload() if kind == "mla" else runner.attention_workload()
     total = len(shape_list) * len(config.targets)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as progress:
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
+                  disable=not err.is_terminal) as progress:
         task = progress.add_task("starting", total=total)
 
         def on_record(rec):
@@ -334,13 +358,16 @@ def _export(args, kind, result, env, config, out) -> None:
 def cmd_compile(args) -> int:
     from rich.table import Table
 
-    from . import compiler
+    from . import bundled, compiler
     from .profiler import build
 
     out = _console()
     err = _console(stderr=True)
     if args.arch:
         arch, source = args.arch, "--arch"
+        why = _unsupported_arch(arch)
+        if why:
+            raise _fail("compile", why)
     else:
         arch, source = build.default_arch()
     programs = build.filter_programs(build.collect_programs(), args.only)
@@ -349,8 +376,9 @@ def cmd_compile(args) -> int:
         for c in ("program", "source", "kernels", "cached"):
             t.add_column(c)
         for p in programs:
-            t.add_row(p.name, p.source, "\n".join(p.kernels),
+            cached = ("bundled" if bundled.lookup(p, arch) else
                       "yes" if compiler.entry_path(p, arch).is_file() else "no")
+            t.add_row(p.name, p.source, "\n".join(p.kernels), cached)
         out.print(t)
         return 0
     if not programs:
@@ -364,9 +392,10 @@ def cmd_compile(args) -> int:
         err.print("\n".join(lines[:60]) + ("\n..." if len(lines) > 60 else ""), highlight=False, markup=False)
         raise _fail("compile", lines[0] if lines else "NVRTC failed") from None
     out.print(build.resources_table(cubins, arch))
-    hits = sum(c.from_cache for c in cubins)
-    out.print(f"{len(cubins)} program(s): {hits} cache hit(s), {len(cubins) - hits} compiled; {wall:.1f} s wall",
-              highlight=False)
+    shipped = sum(c.bundled for c in cubins)
+    hits = sum(c.from_cache for c in cubins) - shipped
+    out.print(f"{len(cubins)} program(s): {shipped} bundled, {hits} cache hit(s), "
+              f"{len(cubins) - hits - shipped} compiled; {wall:.1f} s wall", highlight=False)
     if args.json:
         import json
         from pathlib import Path
@@ -376,12 +405,28 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _unsupported_arch(arch: str) -> str | None:
+    """Why NVRTC cannot build for ``arch`` (its list of targets), or ``None`` (also where NVRTC
+    cannot be asked: the compile then says what is wrong)."""
+    from . import compiler
+    try:
+        nvrtc = compiler._nvrtc()
+        supported = nvrtc.getSupportedArchs()
+        version = "%d.%d" % nvrtc.getVersion()
+    except Exception:  # noqa: BLE001 - NVRTC missing or too old to say
+        return None
+    number = int(re.match(r"sm_(\d+)", arch).group(1))
+    if number in supported:
+        return None
+    return f"--arch {arch}: NVRTC {version} builds for {', '.join(f'sm_{n}' for n in supported)}"
+
+
 # --------------------------------------------------------------------------------------------
 # info
 # --------------------------------------------------------------------------------------------
 
 def info_data() -> dict:
-    from . import compiler
+    from . import bundled, compiler
     from .profiler.env import NoGPU, bf16_status, device_info, gpu_count, pdl_state, versions
 
     data: dict = {"versions": versions()}
@@ -394,20 +439,59 @@ def info_data() -> dict:
     why = bf16_status()
     data["bfloat16"] = "available (ml_dtypes.bfloat16)" if why is None else f"unavailable: {why}"
     data["pdl"] = pdl_state()
-    entries = []
+    data["bundled"] = {"dir": str(bundled.directory()), "entries": _entry_records(bundled.entries())}
     try:
-        for path, header, size in compiler.cache_entries():
-            entries.append({"file": path.name, "size": size,
-                            "program": header.get("program") if header else None,
-                            "arch": header.get("arch") if header else None,
-                            "created": header.get("created") if header else None,
-                            "compile_seconds": header.get("compile_seconds") if header else None,
-                            "valid": header is not None})
+        entries = _entry_records(compiler.cache_entries())
         cache = str(compiler.cache_dir())
     except Exception as e:  # noqa: BLE001
-        cache = f"unavailable ({type(e).__name__}: {e})"
+        entries, cache = [], f"unavailable ({type(e).__name__}: {e})"
     data["cache"] = {"dir": cache, "entries": entries, "total_bytes": sum(e["size"] for e in entries)}
     return data
+
+
+def _entry_records(entries) -> list[dict]:
+    out = []
+    for path, header, size in entries:
+        h = header or {}
+        out.append({"file": path.name, "size": size, "program": h.get("program"), "arch": h.get("arch"),
+                    "created": h.get("created"), "compile_seconds": h.get("compile_seconds"),
+                    "nvrtc": h.get("toolchain", {}).get("nvrtc"), "valid": header is not None})
+    return out
+
+
+def info_rows(data: dict) -> list[tuple[str, str]]:
+    """``info``'s report as (label, value) rows."""
+    rows = []
+    for g in data["gpus"]:
+        clocks = f" · SM {g['sm_clock_max_mhz']} MHz max" if g.get("sm_clock_max_mhz") else ""
+        rows.append((f"GPU {g['id']}", f"{g['name']} · {g['arch']} · {g['sm_count']} SMs · "
+                                       f"{g['memory_bytes'] / 2**30:.0f} GiB · L2 {g['l2_bytes'] / 2**20:.0f} MiB{clocks}"))
+    if not data["gpus"]:
+        rows.append(("GPU", f"no GPU — {data.get('no_gpu', '')}"))
+    labels = {"flashmla-cupy": "flashmla-cupy", "python": "Python", "cupy": "CuPy", "nvrtc": "NVRTC",
+              "cuda_driver": "CUDA driver API", "nvidia_driver": "NVIDIA driver", "cuda_runtime": "CUDA runtime",
+              "cuda-bindings": "cuda-bindings", "cutlass": "CUTLASS headers", "cutlass_include": "CUTLASS include",
+              "numpy": "NumPy", "ml_dtypes": "ml_dtypes", "rich": "rich", "matplotlib": "matplotlib (plots)",
+              "cublas": "cuBLAS (ceilings, baseline)", "platform": "platform"}
+    for key, label in labels.items():
+        v = data["versions"].get(key)
+        if v is None:
+            v = "unknown (reported through nvidia-ml-py)" if key == "nvidia_driver" else "not installed"
+        rows.append((label, str(v)))
+    rows.append(("bfloat16", data["bfloat16"]))
+    rows.append(("PDL", data["pdl"]))
+    b = data["bundled"]["entries"]
+    if b:
+        built = sorted({f"NVRTC {e['nvrtc']}" for e in b if e["nvrtc"]})
+        archs = sorted({str(e["arch"]) for e in b})
+        rows.append(("bundled cubins", f"{len(b)} for {', '.join(archs)} ({', '.join(built) or 'NVRTC ?'}; "
+                                       f"used without compiling) in {data['bundled']['dir']}"))
+    else:
+        rows.append(("bundled cubins", "none (installed from source: kernels compile with NVRTC on first use)"))
+    c = data["cache"]
+    rows.append(("compile cache", f"{c['dir']} — {len(c['entries'])} entr{'y' if len(c['entries']) == 1 else 'ies'}, "
+                                  f"{c['total_bytes'] / 2**20:.1f} MiB"))
+    return rows
 
 
 def cmd_info(args) -> int:
@@ -420,30 +504,19 @@ def cmd_info(args) -> int:
         import json
         out.print_json(json.dumps(data, default=str))
         return 0
-    t = Table.grid(padding=(0, 2))
-    t.add_column(style="bold cyan", no_wrap=True)
-    t.add_column(overflow="fold")
-    if data["gpus"]:
-        for g in data["gpus"]:
-            clocks = f" · SM {g['sm_clock_max_mhz']} MHz max" if g.get("sm_clock_max_mhz") else ""
-            t.add_row(f"GPU {g['id']}", f"{g['name']} · {g['arch']} · {g['sm_count']} SMs · "
-                                        f"{g['memory_bytes'] / 2**30:.0f} GiB · L2 {g['l2_bytes'] / 2**20:.0f} MiB{clocks}")
-    else:
-        t.add_row("GPU", escape(f"no GPU — {data.get('no_gpu', '')}"))
-    labels = {"flashmla-cupy": "flashmla-cupy", "python": "Python", "cupy": "CuPy", "nvrtc": "NVRTC",
-              "cuda_driver": "CUDA driver API", "nvidia_driver": "NVIDIA driver", "cuda_runtime": "CUDA runtime",
-              "cuda-bindings": "cuda-bindings", "cutlass": "CUTLASS headers", "cutlass_include": "CUTLASS include",
-              "numpy": "NumPy", "ml_dtypes": "ml_dtypes", "rich": "rich", "matplotlib": "matplotlib (plots)",
-              "cublas": "cuBLAS (ceilings, baseline)", "platform": "platform"}
-    for key, label in labels.items():
-        v = data["versions"].get(key)
-        t.add_row(label, "not installed" if v is None else escape(str(v)))
-    t.add_row("bfloat16", escape(data["bfloat16"]))
-    t.add_row("PDL", escape(data["pdl"]))
+    rows = info_rows(data)
+    if out.is_terminal:
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold cyan", no_wrap=True)
+        t.add_column(overflow="fold")
+        for label, value in rows:
+            t.add_row(label, escape(value))
+        out.print(t)
+    else:                       # plain lines in pipes and logs: no wrapping, no padding
+        width = max(len(label) for label, _ in rows)
+        for label, value in rows:
+            out.print(f"{label:<{width}}  {value}", markup=False, highlight=False, soft_wrap=True)
     c = data["cache"]
-    t.add_row("compile cache", f"{c['dir']} — {len(c['entries'])} entr{'y' if len(c['entries']) == 1 else 'ies'}, "
-                               f"{c['total_bytes'] / 2**20:.1f} MiB")
-    out.print(t)
     if c["entries"]:
         ct = Table(header_style="bold")
         for col, kw in (("program", {"no_wrap": True}), ("arch", {}), ("KiB", {"justify": "right"}),

@@ -7,10 +7,13 @@ Everything that turns device source into a loadable cubin lives here:
   the CUDA runtime headers (the ``nvidia-cuda-runtime`` wheel or a toolkit);
 * which options NVRTC gets (``-arch=sm_90a -std=c++17 -default-device``, the ptxas report, and
   ``--no-cache`` for NVRTC 12.9+: see ``nvrtc_cache_options``);
-* the cache: one file per program, keyed by the content of every file under ``cuda_src/``, the
-  CUTLASS, NVRTC, CuPy and CUDA-header versions, the options and the arch; written atomically and
-  verified by a checksum when read, so that concurrent or interrupted writers never leave a bad
-  entry behind.
+* the cache: one file per program, keyed by the program's identity (the content of every file
+  under ``cuda_src/``, its source, kernels and defines, the options and the arch) and the CUTLASS,
+  NVRTC, CuPy and CUDA-header versions; written atomically and verified by a checksum when read,
+  so that concurrent or interrupted writers never leave a bad entry behind.
+
+``build`` looks first among the cubins shipped inside the wheel (``flashmla_cupy.bundled``, found
+by the identity alone, without NVRTC), then in memory, then in the cache, and compiles last.
 
 Compiling needs no GPU: give ``arch`` explicitly (``flashmla-cupy compile --arch sm_90a``).
 
@@ -107,8 +110,9 @@ def cuda_runtime_include_dir() -> Path:
     for c in candidates:
         if (c / "cuda_runtime_api.h").is_file():
             return c
+    from .versions import install_command
     raise FileNotFoundError(
-        "CUDA runtime headers (cuda_runtime_api.h) not found: install 'nvidia-cuda-runtime-cu12' "
+        f"CUDA runtime headers (cuda_runtime_api.h) not found: {install_command()} "
         "or set CUDA_PATH to a CUDA toolkit"
     )
 
@@ -223,18 +227,35 @@ class Program:
         opts += [f"-I{d}" for d in include_dirs()]
         return opts
 
-    def cache_key(self, arch: str) -> str:
-        ident = {
+    def identity(self, arch: str) -> dict:
+        """Everything that decides what the cubin contains, apart from the compiler's version:
+        every device source, this program's source, kernels and defines, the options that change
+        the code (``FLASHMLA_CUPY_EXTRA_OPTIONS`` included) and the arch."""
+        return {
             "format": CACHE_FORMAT, "arch": arch, "source": self.source,
             "kernels": list(self.kernels), "defines": list(self.defines),
-            "options": [*BASE_OPTIONS, *extra_options(), *nvrtc_cache_options()],
-            "sources": sources_digest(), "toolchain": toolchain(),
+            "options": [*BASE_OPTIONS, *extra_options()], "sources": sources_digest(),
         }
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+    def identity_key(self, arch: str) -> str:
+        """The key of the cubins shipped in the wheel (``flashmla_cupy.bundled``), which load
+        wherever the driver takes them, whatever NVRTC the machine has."""
+        return _digest(self.identity(arch))
+
+    def cache_key(self, arch: str) -> str:
+        """The key of the disk cache: the identity and the local toolchain that compiles."""
+        ident = self.identity(arch)
+        ident["options"] += nvrtc_cache_options()
+        ident["toolchain"] = toolchain()
+        return _digest(ident)
 
     @property
     def slug(self) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name).strip("_")
+
+
+def _digest(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -267,8 +288,9 @@ class Cubin:
     lowered: dict[str, str]          # name expression -> mangled kernel name
     log: str
     compile_seconds: float
-    from_cache: bool = False
+    from_cache: bool = False         # not compiled by this process (disk cache or bundled)
     path: Path | None = None
+    bundled: bool = False            # shipped inside the wheel (flashmla_cupy.bundled)
     resources: dict[str, KernelResources] = field(default_factory=dict)
 
 
@@ -317,7 +339,7 @@ def compile_program(program: Program, arch: str = DEFAULT_ARCH) -> Cubin:
     """Compile with NVRTC, bypassing the cache (no GPU needed)."""
     nvrtc = _nvrtc()
     path = source_dir() / program.source
-    code = path.read_text()
+    code = path.read_text(encoding="utf-8")
     t0 = time.perf_counter()
     prog = nvrtc.createProgram(code, program.source, [], [])
     try:
@@ -352,9 +374,11 @@ def entry_path(program: Program, arch: str) -> Path:
     return cache_dir() / f"{program.slug}-{arch}-{program.cache_key(arch)[:32]}.cubin"
 
 
-def _serialize(c: Cubin) -> bytes:
+def serialize(c: Cubin) -> bytes:
+    """A cache file: magic, header (program, identity, log, toolchain, checksum), image."""
     header = json.dumps({
-        "program": c.program.name, "arch": c.arch, "lowered": c.lowered, "log": c.log,
+        "program": c.program.name, "arch": c.arch, "identity": c.program.identity_key(c.arch),
+        "lowered": c.lowered, "log": c.log,
         "compile_seconds": c.compile_seconds, "size": len(c.image),
         "sha256": hashlib.sha256(c.image).hexdigest(), "toolchain": toolchain(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -402,7 +426,7 @@ def _store_entry(c: Cubin, path: Path) -> None:
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_serialize(c))
+                f.write(serialize(c))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -426,11 +450,17 @@ def _print_log(c: Cubin) -> None:
               file=sys.stderr)
 
 
-def build(program: Program, arch: str = DEFAULT_ARCH, *, status: bool = True) -> Cubin:
-    """The cubin for ``program``: from memory, from the disk cache, or compiled (and cached).
+def build(program: Program, arch: str = DEFAULT_ARCH, *, status: bool = True, bundled: bool = True) -> Cubin:
+    """The cubin for ``program``: shipped in the wheel (unless ``bundled=False``), from memory,
+    from the disk cache, or compiled (and cached).
 
     A cold compile shows a status line with the kernel's name and the elapsed time on stderr.
     """
+    if bundled:
+        from . import bundled as shipped
+        cubin = shipped.lookup(program, arch)
+        if cubin is not None:
+            return cubin
     key = program.cache_key(arch)
     with _lock:
         hit = _memory.get(key)
@@ -462,18 +492,21 @@ def _compile_with_status(program: Program, arch: str) -> Cubin:
 
 
 def build_many(programs: list[Program], arch: str = DEFAULT_ARCH, jobs: int | None = None,
-               on_done=None) -> list[Cubin]:
-    """Build several programs, compiling the missing ones in parallel processes.
+               on_done=None, *, bundled: bool = True) -> list[Cubin]:
+    """Build several programs, compiling the missing ones in parallel processes (the cubins
+    shipped in the wheel count as built, unless ``bundled=False``).
 
     ``on_done(cubin)`` is called as each one finishes (for progress display).
     """
     import concurrent.futures as cf
     import multiprocessing
 
+    from . import bundled as shipped
+
     results: dict[int, Cubin] = {}
     missing = []
     for i, p in enumerate(programs):
-        cubin = _load_entry(p, arch, entry_path(p, arch))
+        cubin = (shipped.lookup(p, arch) if bundled else None) or _load_entry(p, arch, entry_path(p, arch))
         if cubin is not None:
             results[i] = cubin
             if on_done:
@@ -493,7 +526,8 @@ def build_many(programs: list[Program], arch: str = DEFAULT_ARCH, jobs: int | No
                     on_done(cubin)
     with _lock:
         for c in results.values():
-            _memory[c.program.cache_key(arch)] = c
+            if not c.bundled:
+                _memory[c.program.cache_key(arch)] = c
     return [results[i] for i in range(len(programs))]
 
 

@@ -33,7 +33,14 @@ class Kernel:
         self.cubin = compiler.build(program, arch)
         with cupy.cuda.Device(device_id):
             self._module = cupy.cuda.function.Module()
-            self._module.load(self.cubin.image)
+            try:
+                self._module.load(self.cubin.image)
+            except cupy.cuda.driver.CUDADriverError:
+                if not self.cubin.bundled:
+                    raise
+                # the driver refuses the cubin shipped in the wheel: compile with NVRTC instead
+                self.cubin = compiler.build(program, arch, bundled=False)
+                self._module.load(self.cubin.image)
             self._function = self._module.get_function(self.cubin.lowered[name_expression])
         self.handle = driver().CUfunction(self._function.ptr)
         self._smem_limit = 0

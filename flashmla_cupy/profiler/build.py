@@ -3,7 +3,8 @@
 Programs come from the registry (``flashmla_cupy.programs``). Missing cubins compile in parallel
 processes (``compiler.build_many``); each program's row gives per kernel the registers and stack
 read from the cubin, the spills from ptxas's report, the cold compile time (recorded in the cache
-entry when it was built) and whether this run hit the cache. Needs no GPU when ``arch`` is given.
+entry when it was built) and where the cubin came from (shipped in the wheel, the cache, or
+compiled now). Needs no GPU when ``arch`` is given.
 """
 from __future__ import annotations
 
@@ -46,13 +47,15 @@ def build_with_progress(programs: list, arch: str, jobs: int | None, console, *,
     from .. import compiler
 
     t0 = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=transient) as progress:
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=transient,
+                  disable=not console.is_terminal) as progress:     # no bars in logs and pipes
         task = progress.add_task(f"building {len(programs)} kernel program(s) for {arch}", total=len(programs))
 
         def done(cubin):
             if show_hits or not cubin.from_cache:
-                how = "cache hit" if cubin.from_cache else f"compiled in {cubin.compile_seconds:.1f} s"
+                how = ("bundled" if cubin.bundled else "cache hit" if cubin.from_cache
+                       else f"compiled in {cubin.compile_seconds:.1f} s")
                 progress.console.print(f"  {cubin.program.name}: {how}", highlight=False)
             progress.advance(task)
 
@@ -103,8 +106,14 @@ def resources_table(cubins: list, arch: str):
                       f"[yellow]{spill_text}[/]" if warn else spill_text,
                       f"{len(c.image) / 1024:.0f}" if i == 0 else "",
                       f"{c.compile_seconds:.1f}" if i == 0 else "",
-                      ("[green]hit[/]" if c.from_cache else "compiled") if i == 0 else "")
+                      _cache_text(c) if i == 0 else "")
     return t
+
+
+def _cache_text(c) -> str:
+    if c.bundled:
+        return "[green]bundled[/]"
+    return "[green]hit[/]" if c.from_cache else "compiled"
 
 
 def records(cubins: list) -> list[dict]:
@@ -119,7 +128,8 @@ def records(cubins: list) -> list[dict]:
                         "spill_stores": r.spill_stores if r else None,
                         "spill_loads": r.spill_loads if r else None,
                         "cubin_bytes": len(c.image), "compile_seconds": c.compile_seconds,
-                        "from_cache": c.from_cache, "path": str(c.path) if c.path else None})
+                        "from_cache": c.from_cache, "bundled": c.bundled,
+                        "path": str(c.path) if c.path else None})
     return out
 
 
@@ -131,8 +141,8 @@ def prebuild(module: str, console, *, arch: str, dtype_tag: str | None = None) -
         progs = [p for p in progs if "<" not in p.name or f"<{dtype_tag}>" in p.name]
     if not progs:
         return
-    from .. import compiler
-    missing = [p for p in progs if not compiler.entry_path(p, arch).is_file()]
+    from .. import bundled, compiler
+    missing = [p for p in progs if bundled.lookup(p, arch) is None and not compiler.entry_path(p, arch).is_file()]
     if missing:
         console.print(f"[bold]flashmla-cupy[/] first use: compiling {len(missing)} kernel program(s) "
                       f"for {arch} with NVRTC (cached afterwards; `flashmla-cupy compile` does this ahead)")

@@ -78,7 +78,8 @@ def cublas_status() -> str | None:
         cublas.create  # noqa: B018 - attribute access loads the library
     except Exception as e:  # noqa: BLE001
         first = (str(e).splitlines()[0] if str(e) else type(e).__name__).split(": No such file")[0]
-        return f"cuBLAS not found ({first}): pip install nvidia-cublas-cu12"
+        from ..versions import install_command
+        return f"cuBLAS not found ({first}): {install_command('profile')}"
     return None
 
 

@@ -26,7 +26,9 @@ def gpu_count() -> int:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - no libcuda, insufficient driver, CUDA error ...
-        raise NoGPU(f"no CUDA GPU available ({_first_line(e)})") from None
+        # CUDA says "driver version is insufficient" also where no driver is installed at all
+        from ..versions import driver_problem
+        raise NoGPU(f"no CUDA GPU available ({driver_problem() or _first_line(e)})") from None
     if n <= 0:
         raise NoGPU("no CUDA GPU available (0 devices)")
     return n
@@ -73,11 +75,9 @@ def versions() -> dict:
         out["nvrtc"] = "%d.%d" % nvrtc.getVersion()
     except Exception as e:  # noqa: BLE001
         out["nvrtc"] = f"unavailable ({_first_line(e)})"
-    try:
-        import cupy
-        out["cuda_driver"] = _cuda_version(cupy.cuda.runtime.driverGetVersion())
-    except Exception as e:  # noqa: BLE001
-        out["cuda_driver"] = f"unavailable ({_first_line(e)})"
+    from ..versions import driver_cuda_version
+    v = driver_cuda_version()
+    out["cuda_driver"] = _cuda_version(v) if v else "none (no NVIDIA driver: libcuda.so.1 not found)"
     try:
         import cupy
         out["cuda_runtime"] = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())

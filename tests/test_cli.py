@@ -1,0 +1,117 @@
+"""The command line's handling of mistakes and of pipes (CPU only): unknown commands, bad
+targets, the no-driver message, and output that stays in order without bars or padding when
+stdout and stderr are not terminals."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashmla_cupy import cli, compiler, versions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _nvrtc_reason() -> str | None:
+    try:
+        compiler._nvrtc().getVersion()
+        compiler.include_dirs()
+    except Exception as e:
+        return f"NVRTC or headers unavailable: {type(e).__name__}: {e}"
+    return None
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=_nvrtc_reason() or "")
+
+
+@pytest.mark.parametrize("word, suggestion", [("complie", "compile"), ("infoo", "info"), ("atention", "attention"),
+                                              ("xyz", None)])
+def test_an_unknown_command_is_an_error_with_a_suggestion(capsys, word, suggestion):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main([word, "--arch", "sm_90a"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unknown command {word!r}" in err and "commands: profile, compile, info" in err
+    assert (f"did you mean {suggestion!r}?" in err) if suggestion else "did you mean" not in err
+    assert "invalid choice" not in err
+
+
+@pytest.mark.parametrize("argv, what", [([], "mla"), (["--quick"], "mla"), (["mla", "--quick"], "mla"),
+                                        (["attention"], "attention"), (["profile", "attention"], "attention")])
+def test_without_a_command_flashmla_cupy_profiles(monkeypatch, argv, what):
+    seen = []
+    monkeypatch.setattr(cli, "cmd_profile", lambda args: seen.append(args.what) or 0)
+    assert cli.main(argv) == 0 and seen == [what]
+
+
+def test_compile_rejects_what_is_not_an_sm_target(capsys):
+    for bad in ("foo", "90a", "sm90a", "sm_9", "compute_90a"):
+        with pytest.raises(SystemExit) as excinfo:
+            cli.main(["compile", "--arch", bad, "--list"])
+        assert excinfo.value.code == 2
+        assert f"expected an SM target such as sm_90a, got {bad!r}" in capsys.readouterr().err
+
+
+@needs_nvrtc
+def test_compile_rejects_a_target_that_nvrtc_does_not_build():
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["compile", "--arch", "sm_20", "--list"])
+    code = excinfo.value.code
+    assert isinstance(code, str) and "\n" not in code
+    assert code.startswith("flashmla-cupy compile: --arch sm_20: NVRTC ") and "sm_90" in code
+
+
+def test_no_driver_is_said_so(monkeypatch):
+    """CUDA reports a missing driver as an insufficient one; the message names the real cause."""
+    import cupy
+
+    def insufficient():
+        raise cupy.cuda.runtime.CUDARuntimeError(35)     # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", insufficient)
+    monkeypatch.setattr(versions, "driver_cuda_version", lambda: None)
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--quick"])
+    code = excinfo.value.code
+    assert "no NVIDIA driver installed: libcuda.so.1 not found" in code and "insufficient" not in code
+    assert "\n" not in code
+
+
+def test_info_in_a_pipe_is_plain_lines(capsys, monkeypatch):
+    import cupy
+
+    def insufficient():
+        raise cupy.cuda.runtime.CUDARuntimeError(35)
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", insufficient)
+    monkeypatch.setattr(versions, "driver_cuda_version", lambda: None)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert not [line for line in lines if line != line.rstrip()], "trailing padding"
+    gpu = next(line for line in lines if line.startswith("GPU"))
+    assert "no NVIDIA driver installed" in gpu
+    assert any(line.startswith("bundled cubins") for line in lines)
+    assert any(line.startswith("CUDA driver API") and "no NVIDIA driver" in line for line in lines)
+
+
+@needs_nvrtc
+def test_compile_in_a_pipe_keeps_its_order_without_bars(tmp_path):
+    """stdout and stderr into one pipe, as in `flashmla-cupy compile 2>&1 | tee log`: the header,
+    each program as it finishes, then the table and the summary; no progress bar."""
+    env = dict(os.environ, FLASHMLA_CUPY_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("COLUMNS", None)
+    r = subprocess.run([sys.executable, "-m", "flashmla_cupy", "compile", "--arch", "sm_90a", "--only", "metadata"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8", env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    order = [next(i for i, line in enumerate(lines) if text in line)
+             for text in ("building 1 program(s) for sm_90a", "mla_metadata: compiled in", "mla_metadata_kernel",
+                          "1 program(s): 0 bundled, 0 cache hit(s), 1 compiled")]
+    assert order == sorted(order), r.stdout
+    assert "kernel program(s) for sm_90a" not in r.stdout, r.stdout     # the progress bar's own line
