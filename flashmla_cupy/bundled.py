@@ -81,13 +81,4 @@ def write(cubins: list[Cubin], folder: Path) -> list[Path]:
 
 def entries() -> list[tuple[Path, dict | None, int]]:
     """``(path, header or None if unreadable, size)`` for every shipped cubin."""
-    folder = directory()
-    out = []
-    if folder.is_dir():
-        for p in sorted(folder.glob("*.cubin")):
-            try:
-                header, _ = compiler.read_entry(p)
-            except (OSError, ValueError):
-                header = None
-            out.append((p, header, p.stat().st_size))
-    return out
+    return compiler.cubin_entries(directory())

@@ -533,10 +533,14 @@ def build_many(programs: list[Program], arch: str = DEFAULT_ARCH, jobs: int | No
 
 def cache_entries() -> list[tuple[Path, dict | None, int]]:
     """``(path, header or None if unreadable, size)`` for every file in the cache directory."""
-    d = cache_dir()
+    return cubin_entries(cache_dir())
+
+
+def cubin_entries(folder: Path) -> list[tuple[Path, dict | None, int]]:
+    """``(path, header or None if unreadable, size)`` for every cubin file in ``folder``."""
     out = []
-    if d.is_dir():
-        for p in sorted(d.glob("*.cubin")):
+    if folder.is_dir():
+        for p in sorted(folder.glob("*.cubin")):
             try:
                 header, _ = read_entry(p)
             except (OSError, ValueError):

@@ -1,7 +1,7 @@
 """Shared test setup: GPU tests skip, with the reason, where no suitable GPU is present.
 
-Markers: ``gpu`` (any CUDA GPU), ``hopper`` (an sm_90 GPU: the MLA kernels), ``slow`` (long
-checks, run with ``-m slow`` or ``--run-slow``).
+Markers: ``gpu`` (any CUDA GPU), ``hopper`` (an sm_90 GPU: the MLA kernels), ``nvrtc`` (NVRTC
+and the headers it compiles with), ``slow`` (long checks, run with ``-m slow`` or ``--run-slow``).
 
 Fuzzing options (tests/test_fuzz.py): ``--fuzz-shapes N`` shapes per dtype (default: environment
 variable ``FLASHMLA_CUPY_FUZZ_SHAPES``, else 40) and ``--fuzz-seed S`` master seed (default:
@@ -40,6 +40,17 @@ def hopper_skip_reason() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def nvrtc_skip_reason() -> str | None:
+    from flashmla_cupy import compiler
+    try:
+        compiler._nvrtc().getVersion()
+        compiler.include_dirs()
+    except Exception as e:  # noqa: BLE001 -- any failure means: cannot compile here
+        return f"NVRTC or headers unavailable: {type(e).__name__}: {e}"
+    return None
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
     group = parser.getgroup("flashmla-cupy fuzzing (tests/test_fuzz.py)")
@@ -58,3 +69,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=hopper_skip_reason()))
         elif "gpu" in item.keywords and gpu_skip_reason():
             item.add_marker(pytest.mark.skip(reason=gpu_skip_reason()))
+        elif "nvrtc" in item.keywords and nvrtc_skip_reason():
+            item.add_marker(pytest.mark.skip(reason=nvrtc_skip_reason()))

@@ -10,21 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from flashmla_cupy import cli, compiler, versions
+from flashmla_cupy import cli, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _nvrtc_reason() -> str | None:
-    try:
-        compiler._nvrtc().getVersion()
-        compiler.include_dirs()
-    except Exception as e:
-        return f"NVRTC or headers unavailable: {type(e).__name__}: {e}"
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=_nvrtc_reason() or "")
 
 
 @pytest.mark.parametrize("word, suggestion", [("complie", "compile"), ("infoo", "info"), ("atention", "attention"),
@@ -55,7 +45,7 @@ def test_compile_rejects_what_is_not_an_sm_target(capsys):
         assert f"expected an SM target such as sm_90a, got {bad!r}" in capsys.readouterr().err
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_compile_rejects_a_target_that_nvrtc_does_not_build():
     with pytest.raises(SystemExit) as excinfo:
         cli.main(["compile", "--arch", "sm_20", "--list"])
@@ -98,7 +88,7 @@ def test_info_in_a_pipe_is_plain_lines(capsys, monkeypatch):
     assert any(line.startswith("CUDA driver API") and "no NVIDIA driver" in line for line in lines)
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_compile_in_a_pipe_keeps_its_order_without_bars(tmp_path):
     """stdout and stderr into one pipe, as in `flashmla-cupy compile 2>&1 | tee log`: the header,
     each program as it finishes, then the table and the summary; no progress bar."""

@@ -16,16 +16,6 @@ from flashmla_cupy import compiler, programs
 ARCH = "sm_90a"
 
 
-def _nvrtc_reason() -> str | None:
-    try:
-        compiler._nvrtc().getVersion()
-        compiler.include_dirs()
-    except Exception as e:
-        return f"NVRTC or headers unavailable: {type(e).__name__}: {e}"
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=_nvrtc_reason() or "")
 
 
 @pytest.fixture
@@ -74,7 +64,7 @@ def test_ptxas_report_parser():
     assert res["bar"] == compiler.KernelResources() and not res["bar"].spills_reported
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
     """All MLA programs (both dtypes) to sm_90a cubins, in parallel. Registers and stack come from
     the cubin (always there), spills from ptxas's report: a stack of 0 bytes, callees included,
@@ -102,7 +92,7 @@ def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
     assert all(c.from_cache for c in again)
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_every_compile_returns_the_ptxas_report():
     """NVRTC 12.9+ would answer the second compile from its own cache (where a driver is installed)
     without running ptxas, and log nothing; ``--no-cache`` keeps the report coming."""
@@ -137,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2) spills(const float* p, flo
 """
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_cubin_resources_match_ptxas_report(tmp_path, monkeypatch):
     """The ELF reader agrees with ptxas's own report, kernel by kernel: MLA and FlashAttention
     kernels (no stack; records of every format) and small kernels with a stack frame, a callee's
@@ -164,7 +154,7 @@ def test_cubin_resources_match_ptxas_report(tmp_path, monkeypatch):
     assert stack["spills"].stack_bytes > 0 and stack["spills"].spill_stores > 0
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_resources_come_from_the_cubin_without_a_log(cache):
     """A cache entry whose log has no ptxas report (as NVRTC's own cache gave) still has registers
     and stack; spills are then unknown (-1)."""
@@ -187,7 +177,7 @@ def test_resources_come_from_the_cubin_without_a_log(cache):
     assert f" {res.registers} " in row and "none (0 B stack)" in row and "?" not in row, row
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_cubin_reader_refuses_other_bytes():
     from flashmla_cupy import cubin_info
     image = compiler.compile_program(programs.metadata_program(), ARCH).image
@@ -200,7 +190,7 @@ def test_cubin_reader_refuses_other_bytes():
         cubin_info.kernel_resources(x86)
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_cache_hit_and_invalidation_on_header_edit(cache, tmp_path, monkeypatch):
     program = programs.metadata_program()
     first = compiler.build(program, ARCH, status=False)
@@ -221,7 +211,7 @@ def test_cache_hit_and_invalidation_on_header_edit(cache, tmp_path, monkeypatch)
     assert not third.from_cache
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_corrupted_entry_is_detected_and_rebuilt(cache, monkeypatch, damage):
     program = programs.metadata_program()
@@ -239,7 +229,7 @@ def test_corrupted_entry_is_detected_and_rebuilt(cache, monkeypatch, damage):
     compiler.read_entry(path)  # valid again
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_read_only_cache_falls_back_with_a_warning(cache, monkeypatch):
     cache.mkdir(parents=True)
     cache.chmod(stat.S_IRUSR | stat.S_IXUSR)
@@ -256,7 +246,7 @@ def test_read_only_cache_falls_back_with_a_warning(cache, monkeypatch):
         cache.chmod(stat.S_IRWXU)
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_concurrent_compiles_leave_one_valid_entry(cache, tmp_path):
     code = textwrap.dedent("""\
         from flashmla_cupy import compiler, programs

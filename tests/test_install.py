@@ -185,16 +185,6 @@ def test_driver_problems_in_one_line(monkeypatch, installed):
 # Cubins shipped in the wheel
 # --------------------------------------------------------------------------------------------
 
-def _nvrtc_reason() -> str | None:
-    try:
-        compiler._nvrtc().getVersion()
-        compiler.include_dirs()
-    except Exception as e:
-        return f"NVRTC or headers unavailable: {type(e).__name__}: {e}"
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=_nvrtc_reason() or "")
 
 
 def test_identity_leaves_out_the_toolchain_but_not_sources_or_options(monkeypatch, tmp_path):
@@ -241,7 +231,7 @@ def shipped(tmp_path, monkeypatch):
     return folder
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_shipped_cubins_are_used_without_nvrtc_and_never_when_stale(shipped, monkeypatch, tmp_path):
     program = programs.metadata_program()
     built = compiler.compile_program(program, ARCH)
@@ -269,7 +259,7 @@ def test_shipped_cubins_are_used_without_nvrtc_and_never_when_stale(shipped, mon
     assert not rebuilt.bundled and not rebuilt.from_cache
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_a_shipped_cubin_is_checked_before_use(shipped):
     program, other = programs.metadata_program(), programs.combine_program("bf16")
     (path,) = bundled.write([compiler.compile_program(program, ARCH)], shipped)
