@@ -78,13 +78,16 @@ def _is_capturing(stream: int) -> bool:
 
 # --- get_mla_metadata ----------------------------------------------------------------------------
 
-def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int):
+def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int, num_heads_q=None,
+                     is_fp8_kvcache: bool = False, topk=None):
     """Tile-scheduler metadata of one decoding batch (FlashMLA's ``get_mla_metadata``).
 
     Args:
         cache_seqlens: torch.int32 ``[batch]`` on a CUDA device: tokens in each request's cache.
         num_heads_per_head_k: query rows per KV head, ``s_q * h_q // h_kv``.
         num_heads_k: KV heads ``h_kv``.
+        num_heads_q, is_fp8_kvcache, topk: sparse decoding (DeepSeek-V3.2): ``topk`` =
+            indices' last dim, ``num_heads_q`` = h_q (see ``flashmla_cupy.get_mla_metadata``).
 
     Returns:
         ``(tile_scheduler_metadata, num_splits)``, torch.int32 ``[num_sm_parts, 8]`` and
@@ -97,29 +100,32 @@ def get_mla_metadata(cache_seqlens, num_heads_per_head_k: int, num_heads_k: int)
     index = _cuda_index(torch, cache_seqlens, "cache_seqlens")
     stream = _raw_stream(index)
     previous = _get_device()
+    sparse = (num_heads_q, is_fp8_kvcache, topk)
     if previous == index:
-        return _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, stream)
+        return _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, sparse, stream)
     _set_device(index)
     try:
-        return _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, stream)
+        return _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, sparse, stream)
     finally:
         _set_device(previous)
 
 
-def _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, stream: int):
+def _metadata(torch, cache_seqlens, num_heads_per_head_k, num_heads_k, sparse: tuple, stream: int):
+    num_heads_q, is_fp8_kvcache, topk = sparse
     try:
         if cache_seqlens.dim() != 1:
             raise ValueError(f"cache_seqlens must be 1-D [batch]; got {cache_seqlens.dim()}-D shape "
                              f"{tuple(cache_seqlens.shape)}")
-        meta_shape, splits_shape = mla.metadata_shapes(cache_seqlens.shape[0], num_heads_per_head_k, num_heads_k)
+        meta_shape, splits_shape = mla.metadata_shapes(cache_seqlens.shape[0], num_heads_per_head_k, num_heads_k,
+                                                       num_heads_q, topk)
         metadata = cache_seqlens.new_empty(meta_shape, dtype=torch.int32)
         num_splits = cache_seqlens.new_empty(splits_shape, dtype=torch.int32)
     except (TypeError, ValueError, ArithmeticError, RuntimeError):
         # Bad arguments: the library's own checks name the argument and the rule.
-        mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, stream=stream)
+        mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, *sparse, stream=stream)
         raise
-    return mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, out=(metadata, num_splits),
-                                stream=stream)
+    return mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, *sparse,
+                                out=(metadata, num_splits), stream=stream)
 
 
 # --- flash_mla_with_kvcache ----------------------------------------------------------------------
@@ -128,35 +134,37 @@ _workspaces: dict[tuple, mla.MLAWorkspace] = {}
 _MAX_WORKSPACES = 16
 
 
-def _workspace(torch, q, k_cache, tile_scheduler_metadata, index: int, stream: int) -> mla.MLAWorkspace:
+def _workspace(torch, q, k_cache, tile_scheduler_metadata, sparse: bool, index: int,
+               stream: int) -> mla.MLAWorkspace:
     """The call's workspace (see the module's docstring): a kept one outside stream capture, a
     fresh one from torch's allocator (the graph's pool) during capture."""
     if _is_capturing(stream):
-        return _new_workspace(torch, q, k_cache, tile_scheduler_metadata)
+        return _new_workspace(torch, q, k_cache, tile_scheduler_metadata, sparse)
     try:
-        key = (index, stream, q.shape, q.dtype, k_cache.shape[2], tile_scheduler_metadata.shape[0])
+        key = (index, stream, q.shape, q.dtype, k_cache.shape[2], tile_scheduler_metadata.shape[0], sparse)
     except (AttributeError, IndexError, TypeError):          # get_mla_workspace says what is wrong
-        return _new_workspace(torch, q, k_cache, tile_scheduler_metadata)
+        return _new_workspace(torch, q, k_cache, tile_scheduler_metadata, sparse)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = _new_workspace(torch, q, k_cache, tile_scheduler_metadata)
+        ws = _new_workspace(torch, q, k_cache, tile_scheduler_metadata, sparse)
         if len(_workspaces) >= _MAX_WORKSPACES:
             _workspaces.clear()        # eager workspaces only: torch frees them in stream order
         _workspaces[key] = ws
     return ws
 
 
-def _new_workspace(torch, q, k_cache, tile_scheduler_metadata) -> mla.MLAWorkspace:
+def _new_workspace(torch, q, k_cache, tile_scheduler_metadata, sparse: bool) -> mla.MLAWorkspace:
     device = q.device              # not q itself: a kept workspace would keep q alive
 
     def alloc(nbytes: int):
         return torch.empty((nbytes,), dtype=torch.uint8, device=device)
 
-    return mla.get_mla_workspace(q, k_cache, tile_scheduler_metadata, alloc=alloc)
+    return mla.get_mla_workspace(q, k_cache, tile_scheduler_metadata, sparse=sparse, alloc=alloc)
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int, tile_scheduler_metadata,
-                           num_splits, softmax_scale: float | None = None, causal: bool = False):
+                           num_splits, softmax_scale: float | None = None, causal: bool = False,
+                           is_fp8_kvcache: bool = False, indices=None, attn_sink=None, topk_length=None):
     """Paged MLA decoding attention on torch tensors (FlashMLA's ``flash_mla_with_kvcache``).
 
     Args:
@@ -170,6 +178,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             h_kv)`` of this batch.
         softmax_scale: scale of q·k before the softmax; default ``576 ** -0.5``.
         causal: with s_q > 1, query token i sees the first ``seqlen - (s_q - 1 - i)`` tokens.
+        is_fp8_kvcache, indices, attn_sink, topk_length: sparse decoding over DeepSeek-V3.2's FP8
+            cache (torch.uint8/int8/float8_e4m3fn ``[num_blocks, page_block_size, 1, 656]``,
+            torch.int32 indices ``[batch, s_q, topk]``; block_table and cache_seqlens unused), as
+            ``flashmla_cupy.flash_mla_with_kvcache`` documents them.
 
     Returns:
         ``(out, softmax_lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype and torch.float32
@@ -190,10 +202,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     if previous != index:
         _set_device(index)
     try:
-        workspace = _workspace(torch, q, k_cache, tile_scheduler_metadata, index, stream)
+        workspace = _workspace(torch, q, k_cache, tile_scheduler_metadata, indices is not None, index, stream)
         return mla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                          num_splits, softmax_scale, causal, out=out, lse=lse, workspace=workspace,
-                                          stream=stream)
+                                          num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
+                                          topk_length, out=out, lse=lse, workspace=workspace, stream=stream)
     finally:
         if previous != index:
             _set_device(previous)

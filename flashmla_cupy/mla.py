@@ -9,7 +9,6 @@ Work runs on CuPy's current device, on ``stream`` (default: CuPy's current strea
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 
@@ -193,8 +192,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
 _ARRAY_NAMES = ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")
 
 
-def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, alloc=None) -> MLAWorkspace:
-    """A workspace for ``flash_mla_with_kvcache`` calls with these arrays' shapes and dtype.
+def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = False, alloc=None) -> MLAWorkspace:
+    """A workspace for ``flash_mla_with_kvcache`` calls with these arrays' shapes and dtype
+    (``sparse``: calls with ``indices``, whose every query token is a request of its own).
 
     ``alloc(nbytes)`` allocates its memory (default: CuPy); it returns any CUDA array, e.g.
     ``lambda n: torch.empty(n, dtype=torch.uint8, device="cuda")``, which the workspace keeps.
@@ -206,6 +206,8 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, alloc=None) -> MLA
     checks.require_ndim(k_cache, "k_cache", 4, "[num_blocks, 64, h_kv, 576]")
     checks.require_ndim(meta, "tile_scheduler_metadata", 2, "[num_sm_parts, 8]")
     batch, s_q, h_q, _ = q.shape
+    if sparse:
+        return MLAWorkspace(batch * s_q, 1, h_q, 1, meta.shape[0], q.dtype, alloc=alloc)
     h_kv = k_cache.shape[2]
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"k_cache's heads (axis 2) must divide q's heads ({h_q}); got {h_kv}")
@@ -236,9 +238,6 @@ def _sparse_call(device_id, stream_ptr, stream, q, k_cache, head_dim_v, metadata
     """Sparse decoding: checked on every call (the plan is kept per layout)."""
     inputs, arrays = sparse.sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, causal,
                                           is_fp8_kvcache, indices, attn_sink, topk_length)
-    if os.environ.get(sparse.EXPERIMENTAL_ENV) != "1":
-        raise NotImplementedError(f"sparse FP8 decoding (indices=...) is not finished: its kernel does not yet "
-                                  f"match the reference; {sparse.EXPERIMENTAL_ENV}=1 runs it for development")
     if stream is None and any(type(x) is interop.torch_tensor_type() for x in (q, k_cache, indices)):
         interop.wait_for_torch(device_id, stream_ptr)
     key = ("sparse", device_id, stream_ptr, inputs)

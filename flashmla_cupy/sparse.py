@@ -24,8 +24,6 @@ from .params import CombineParams, SplitKVParams
 from .plan import MLAWorkspace
 
 _FP8_CACHE_DTYPES = ("uint8", "int8", "float8_e4m3fn")
-# Until the sparse kernel matches the reference on the GPU, calls raise unless this is "1".
-EXPERIMENTAL_ENV = "FLASHMLA_CUPY_EXPERIMENTAL_SPARSE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +192,7 @@ class SparsePlan:
         if ws is None:
             ws = self._workspace = self._workspace or MLAWorkspace(*self.workspace_signature[1:])
         elif type(ws) is not MLAWorkspace or ws.signature != self.workspace_signature:
-            raise ValueError(f"workspace must come from get_mla_workspace for this sparse call "
+            raise ValueError(f"workspace must come from get_mla_workspace(..., sparse=True) for this call "
                              f"(signature {self.workspace_signature}); got {getattr(ws, 'signature', type(ws).__name__)}")
         with self._lock:
             if self.splitkv is None:

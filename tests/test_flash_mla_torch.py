@@ -154,6 +154,46 @@ def test_torch_cuda_graph_replays_with_updated_inputs(dtype, s_q, h_q, h_kv, cau
 
 # --- CPU tests ---------------------------------------------------------------------------------------
 
+@pytest.mark.hopper
+def test_sparse_decoding_from_torch_matches_the_cupy_call():
+    """DeepSeek-V3.2 sparse decoding through the drop-in: the same bytes as the CuPy call (which
+    tests/test_sparse.py checks against the reference), torch's outputs and workspace."""
+    torch = _torch_with_cuda()
+    import cupy
+    import ml_dtypes
+
+    import flashmla_cupy
+    from flashmla_cupy import flash_mla, quant
+
+    rng = np.random.default_rng(3)
+    b, s_q, h_q, topk, page, blocks = 3, 2, 64, 320, 64, 8
+    kv = rng.standard_normal((blocks * page, 576)).astype(ml_dtypes.bfloat16)
+    cache = quant.quantize_fp8_sparse(kv).reshape(blocks, page, 1, 656)
+    ids = rng.integers(-50, blocks * page, size=(b, s_q, topk)).astype(np.int32)
+    q = rng.standard_normal((b, s_q, h_q, 576)).astype(np.float32)
+    sink = rng.standard_normal(h_q).astype(np.float32)
+    lengths = np.array([0, 100, topk], dtype=np.int32)
+
+    t = {name: torch.from_numpy(x).cuda() for name, x in
+         (("cache", cache), ("ids", ids), ("sink", sink), ("lengths", lengths), ("seqlens", np.zeros(b, np.int32)))}
+    t["q"] = torch.from_numpy(q).cuda().to(torch.bfloat16)
+    meta, splits = flash_mla.get_mla_metadata(t["seqlens"], s_q * h_q, 1, h_q, True, topk)
+    out, lse = flash_mla.flash_mla_with_kvcache(t["q"], t["cache"], None, None, 512, meta, splits,
+                                                is_fp8_kvcache=True, indices=t["ids"], attn_sink=t["sink"],
+                                                topk_length=t["lengths"])
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    c = {name: cupy.asarray(x.cpu().numpy()) for name, x in t.items() if name != "q"}
+    c_q = cupy.asarray(q.astype(ml_dtypes.bfloat16))
+    c_meta, c_splits = flashmla_cupy.get_mla_metadata(c["seqlens"], s_q * h_q, 1, h_q, True, topk)
+    c_out, c_lse = flashmla_cupy.flash_mla_with_kvcache(c_q, c["cache"], None, None, 512, c_meta, c_splits,
+                                                        is_fp8_kvcache=True, indices=c["ids"], attn_sink=c["sink"],
+                                                        topk_length=c["lengths"])
+    torch.cuda.synchronize()
+    assert np.array_equal(out.view(torch.int16).cpu().numpy(), cupy.asnumpy(c_out).view(np.int16))
+    assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(c_lse))
+    assert np.isinf(cupy.asnumpy(c_lse)[0]).all() and np.isfinite(cupy.asnumpy(c_lse)[1:]).all()
+
+
 def test_module_imports_without_torch_and_says_what_is_missing():
     code = (
         "import sys\n"
@@ -188,11 +228,14 @@ def test_signatures_are_flashmlas():
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
     empty = inspect.Parameter.empty
+    # FlashMLA's, with the sparse (DeepSeek-V3.2) arguments of its later releases
     assert described(flash_mla.get_mla_metadata) == [
-        ("cache_seqlens", empty), ("num_heads_per_head_k", empty), ("num_heads_k", empty)]
+        ("cache_seqlens", empty), ("num_heads_per_head_k", empty), ("num_heads_k", empty), ("num_heads_q", None),
+        ("is_fp8_kvcache", False), ("topk", None)]
     assert described(flash_mla.flash_mla_with_kvcache) == [
         ("q", empty), ("k_cache", empty), ("block_table", empty), ("cache_seqlens", empty), ("head_dim_v", empty),
-        ("tile_scheduler_metadata", empty), ("num_splits", empty), ("softmax_scale", None), ("causal", False)]
+        ("tile_scheduler_metadata", empty), ("num_splits", empty), ("softmax_scale", None), ("causal", False),
+        ("is_fp8_kvcache", False), ("indices", None), ("attn_sink", None), ("topk_length", None)]
 
 
 def test_tensors_off_the_gpu_are_refused():

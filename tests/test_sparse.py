@@ -19,17 +19,6 @@ from flashmla_cupy.testing import poisoned  # noqa: E402
 
 pytestmark = pytest.mark.hopper
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# The kernel's first GPU run (H200, 2026-11-23) gave wrong outputs (rows near 0 or far off) on the
-# smallest case: strict xfail until it is fixed, so that a fix shows up as XPASS (a failure).
-KERNEL_UNFINISHED = pytest.mark.xfail(strict=True, reason="sparse kernel under construction (issue 12)")
-
-
-@pytest.fixture(autouse=True)
-def _experimental_sparse(monkeypatch):
-    from flashmla_cupy import sparse
-    monkeypatch.setenv(sparse.EXPERIMENTAL_ENV, "1")
-
-
 def make_case(rng, b, s_q, h_q, topk, page, num_blocks, invalid=0.1, topk_length=False, sink=False):
     total = num_blocks * page
     ids = rng.integers(0, total, size=(b, s_q, topk)).astype(np.int32)
@@ -53,6 +42,15 @@ def make_case(rng, b, s_q, h_q, topk, page, num_blocks, invalid=0.1, topk_length
     return q, cache, ids, lengths, attn_sink
 
 
+def largest_v(cache, ids) -> float:
+    """max |V| over the tokens that the indices name (0 if none)."""
+    tokens = cache.reshape(-1, 656)
+    named = np.unique(ids[(ids >= 0) & (ids < len(tokens))])
+    if named.size == 0:
+        return 0.0
+    return float(np.abs(quant.dequantize_fp8_sparse(tokens[named], np.float32)[:, :512]).max())
+
+
 def run_and_check(case, softmax_scale=None):
     q, cache, ids, lengths, sink = case
     b, s_q, h_q, _ = q.shape
@@ -68,10 +66,14 @@ def run_and_check(case, softmax_scale=None):
     ref_out, ref_lse = reference.mla_decode_sparse(q, cache, ids, softmax_scale, sink, lengths)
     got = reference.to_float64(cupy.asnumpy(out))
     got_lse = cupy.asnumpy(lse).astype(np.float64)
-    # FlashMLA's sparse-decoding tolerances (tests/test_flash_mla_sparse_decoding.py)
+    # FlashMLA's sparse-decoding tolerances (tests/test_flash_mla_sparse_decoding.py). Its cache is
+    # clamped to [-1, 1]; ours reaches |V| ~ 13 with sharp attention, where the rounding of P (fp16)
+    # for the dominant tokens moves an output by a few 1e-4 |V| (H200, 2026-11-23): the absolute
+    # part scales with the largest |V| (a wrong token or page is still off by far more).
     assert np.isfinite(got).all(), "NaN/inf in out"
     err = np.abs(got - ref_out)
-    assert (err <= 1e-3 + 2.01 / 128 * np.abs(ref_out)).all(), f"out: max err {err.max()}"
+    abs_tol = 1e-3 * max(1.0, largest_v(cache, ids))
+    assert (err <= abs_tol + 2.01 / 128 * np.abs(ref_out)).all(), f"out: max err {err.max()} (abs tol {abs_tol})"
     assert reference.cos_diff(got, ref_out) < 5e-6
     inf = np.isinf(ref_lse)
     assert (got_lse[inf] == np.inf).all(), "rows without a valid index must have lse = +inf"
@@ -92,7 +94,6 @@ GRID = [  # b, s_q, h_q, topk, page, num_blocks
 ]
 
 
-@KERNEL_UNFINISHED
 @pytest.mark.parametrize("b,s_q,h_q,topk,page,num_blocks", GRID)
 @pytest.mark.parametrize("options", ["plain", "sink", "topk_length", "both"])
 def test_sparse_decoding_matches_reference(b, s_q, h_q, topk, page, num_blocks, options):
@@ -102,7 +103,6 @@ def test_sparse_decoding_matches_reference(b, s_q, h_q, topk, page, num_blocks, 
     run_and_check(case)
 
 
-@KERNEL_UNFINISHED
 def test_all_indices_invalid_gives_zero_and_inf():
     rng = np.random.default_rng(7)
     q, cache, ids, lengths, sink = make_case(rng, 3, 2, 64, 128, 64, 4)
@@ -111,7 +111,6 @@ def test_all_indices_invalid_gives_zero_and_inf():
     run_and_check((q, cache, ids, lengths, sink))
 
 
-@KERNEL_UNFINISHED
 def test_softmax_scale_and_large_batch_with_splits():
     rng = np.random.default_rng(11)
     run_and_check(make_case(rng, 2, 2, 128, 8192, 64, 300, invalid=0.3), softmax_scale=0.1)

@@ -37,5 +37,6 @@ constexpr int kFp8NumScales = FLASHMLA_FP8_NUM_SCALES;
 constexpr int kHeadDimRope = FLASHMLA_HEAD_DIM_ROPE;
 constexpr int kFp8TokenBytes = FLASHMLA_FP8_TOKEN_BYTES;
 static_assert(kFp8TokenBytes == kHeadDimV + 4 * kFp8NumScales + 2 * kHeadDimRope, "FP8 token layout");
+constexpr int kFp8RopeOffset = kHeadDimV + 4 * kFp8NumScales;   // bytes: NoPE values, then scales, then RoPE
 
 }  // namespace flashmla

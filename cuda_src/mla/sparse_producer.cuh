@@ -31,6 +31,22 @@ __device__ __forceinline__ uint4 load_token_chunk(const uint8_t* ptr) {
     return v;
 }
 
+__device__ __forceinline__ float2 load_scale_pair(const uint8_t* ptr) {
+    float2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr));
+    return v;
+}
+
+// 16 bytes global -> shared without registers; `valid` false writes zeros and reads nothing.
+__device__ __forceinline__ void copy_chunk_async(void* dst, const uint8_t* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // Two e4m3 values (a 16-bit word) -> fp16x2, times `scale2` (fp16x2).
 __device__ __forceinline__ uint32_t dequant_pair(uint32_t two_fp8, uint32_t scale2) {
     uint32_t h, out;
@@ -60,9 +76,12 @@ struct SparseProducer {
         return row * 128 + ((chunk ^ (row % 8)) * 16);
     }
 
+    __device__ __forceinline__ unsigned char* chunk_address(int buf, int tile, int row, int chunk) const {
+        return reinterpret_cast<unsigned char*>(st.kv[buf]) + tile * (64 * kTileCols * 2) + swizzled(row, chunk);
+    }
+
     __device__ __forceinline__ void store_chunk(int buf, int tile, int row, int chunk, uint4 v) const {
-        unsigned char* base = reinterpret_cast<unsigned char*>(st.kv[buf]) + tile * (64 * kTileCols * 2);
-        *reinterpret_cast<uint4*>(base + swizzled(row, chunk)) = v;
+        *reinterpret_cast<uint4*>(chunk_address(buf, tile, row, chunk)) = v;
     }
 
     // 16 e4m3 values of `token` (NoPE bytes 16k .. 16k + 15) -> fp16 chunks 2j, 2j + 1 of `tile`.
@@ -78,9 +97,13 @@ struct SparseProducer {
         store_chunk(buf, tile, row, 2 * j + 1, make_uint4(h[4], h[5], h[6], h[7]));
     }
 
-    // Tiles of `group` (0: NoPE columns 0-255; 1: NoPE 256-511 and RoPE) for this warp's tokens,
-    // whose byte offsets in the cache lanes 0-15 hold (-1: skipped).
-    __device__ __forceinline__ void fill_group(int buf, int group, int64_t offset) const {
+    // Tiles of group kGroup (0: NoPE columns 0-255; 1: NoPE 256-511 and RoPE) for this warp's
+    // tokens, whose byte offsets in the cache lanes 0-15 hold (-1: skipped). The group is a
+    // template argument so that the scales stay in registers (a runtime index would put them in
+    // local memory); the RoPE chunks are bf16 already and go to shared memory by cp.async,
+    // without registers (zeros for a skipped token).
+    template <int kGroup>
+    __device__ __forceinline__ void fill_group(int buf, int64_t offset) const {
         const int part = lane / 8;
         CUTE_UNROLL
         for (int round = 0; round < 2; ++round) {
@@ -89,31 +112,27 @@ struct SparseProducer {
             const int64_t off = __shfl_sync(0xffffffffu, offset, token);
             const bool valid = off >= 0;
             const uint8_t* src = p.cache + (valid ? off : 0);
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            uint4 raw[4], rope[2];
-            CUTE_UNROLL
-            for (int i = 0; i < 4; ++i) {
-                raw[i] = valid ? load_token_chunk(src + 16 * (group * 16 + part + 4 * i)) : zero;
-            }
-            const uint4 scales = valid ? load_token_chunk(src + kHeadDimV) : zero;
-            if (group == 1) {
+            if constexpr (kGroup == 1) {
                 CUTE_UNROLL
                 for (int c = 0; c < 2; ++c) {
-                    rope[c] = valid ? load_token_chunk(src + kHeadDimV + 4 * kFp8NumScales + 16 * (part + 4 * c)) : zero;
+                    copy_chunk_async(chunk_address(buf, kTilesK - 1, row, part + 4 * c),
+                                     src + kFp8RopeOffset + 16 * (part + 4 * c), valid);
                 }
             }
-            const float scale[4] = {__uint_as_float(scales.x), __uint_as_float(scales.y),
-                                    __uint_as_float(scales.z), __uint_as_float(scales.w)};
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            uint4 raw[4];
             CUTE_UNROLL
             for (int i = 0; i < 4; ++i) {
-                // chunk k = 16 group + part + 4i covers NoPE values 16k ..; its scale is k / 8
-                store_nope(buf, group * 4 + i, row, part, raw[i], fp16x2_splat(scale[group * 2 + i / 2]));
+                raw[i] = valid ? load_token_chunk(src + 16 * (kGroup * 16 + part + 4 * i)) : zero;
             }
-            if (group == 1) {
-                CUTE_UNROLL
-                for (int c = 0; c < 2; ++c) store_chunk(buf, kTilesK - 1, row, part + 4 * c, rope[c]);
+            const float2 scales = valid ? load_scale_pair(src + kHeadDimV + 8 * kGroup) : make_float2(0.0f, 0.0f);
+            CUTE_UNROLL
+            for (int i = 0; i < 4; ++i) {
+                // chunk k = 16 kGroup + part + 4i covers NoPE values 16k ..; its scale is k / 8
+                store_nope(buf, kGroup * 4 + i, row, part, raw[i], fp16x2_splat(i < 2 ? scales.x : scales.y));
             }
         }
+        if constexpr (kGroup == 1) cp_async_wait_all();
     }
 
     // Page `page` of the index list `ids` (valid entries: the first `visible`) into buffer `buf`.
@@ -132,7 +151,11 @@ struct SparseProducer {
             mbarrier_wait(smem_u32(&st.bar_free[buf][group]), (free_phase >> slot) & 1);
             free_phase ^= 1u << slot;
             if (n == 0 && lane == 0) st.token_valid[buf][warp] = static_cast<uint16_t>(bits);
-            fill_group(buf, group, offset);
+            if (group == 0) {
+                fill_group<0>(buf, offset);
+            } else {
+                fill_group<1>(buf, offset);
+            }
             fence_smem_for_async_proxy();           // the consumers' WGMMAs read these stores
             __syncwarp();
             if (lane == 0) {

@@ -102,7 +102,7 @@ __device__ __forceinline__ uint32_t pack_pair(float a, float b) {
 template <typename T, typename FragO>
 __device__ __forceinline__ void store_o(const SplitKVParams& p, FragO const& o, const float (&inv_sum)[2],
                                         const OutputTarget& out, int wg, int idx_in_wg) {
-    using Element = typename T::Element;
+    using Element = typename T::IoElement;
     const int col0 = wg * (kHeadDimV / 2) + fragment_col(0, idx_in_wg);
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {

@@ -68,7 +68,7 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
         mbarrier_wait(bar, phase);
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
         if (tile == kTilesK - 1) {      // the RoPE tile (bf16 in the sparse kernel)
-            auto rope_tile = smem_tile<T>(reinterpret_cast<typename T::RopeElement*>(page + tile * kTileElems));
+            auto rope_tile = smem_tile<T>(reinterpret_cast<typename T::IoElement*>(page + tile * kTileElems));
             auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_tile);
             wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
         } else {

@@ -102,7 +102,7 @@ struct SplitKVCta {
     static constexpr int kTileElems = 64 * kTileCols;
     static constexpr uint32_t kTileBytes = kTileElems * sizeof(Element);
 
-    using Rope = typename T::RopeElement;
+    using Rope = typename T::IoElement;
     const SplitKVParams& p;
     typename T::SharedStorage& st;
     const int wg, idx;                      // warpgroup, thread within it

@@ -18,7 +18,8 @@ template <typename Element_, bool kSparse_ = false>
 struct SplitKVTraits {
     using Element = Element_;                  // Q, K, V, P (the NoPE part, for kSparse)
     static constexpr bool kSparse = kSparse_;
-    using RopeElement = cuda::std::conditional_t<kSparse, cutlass::bfloat16_t, Element>;   // Q and K tile 8
+    // The caller's precision: O, and the RoPE tile (8) of Q and K (bf16 in the sparse cache).
+    using IoElement = cuda::std::conditional_t<kSparse, cutlass::bfloat16_t, Element>;
     static_assert(cuda::std::is_same_v<Element, cutlass::bfloat16_t> ||
                   cuda::std::is_same_v<Element, cutlass::half_t>, "bf16 or fp16");
     static_assert(!kSparse || cuda::std::is_same_v<Element, cutlass::half_t>, "sparse: fp16 NoPE");
@@ -28,9 +29,10 @@ struct SplitKVTraits {
     static constexpr int kThreads = kConsumerThreads + (kSparse ? kSparseProducerThreads : 0);
     static_assert(kConsumerThreads == 256, "the seesaw schedule has two warpgroups");
     static_assert(!kSparse || kSparseProducerThreads == 128, "one producer warpgroup");
-    // Sparse: registers per thread after the split (setmaxnreg); 2 x 128 x 240 + 128 x 24 <= 64K.
-    static constexpr int kConsumerRegs = 240;
-    static constexpr int kProducerRegs = 24;
+    // Sparse: registers per thread after the split (setmaxnreg); 2 x 128 x 224 + 128 x 56 = 384 x 168
+    // (the pool that __launch_bounds__ gives); below 224 ptxas serializes the consumers' WGMMAs.
+    static constexpr int kConsumerRegs = 224;
+    static constexpr int kProducerRegs = 56;
 
     using BlockM = Int<kBlockM>;
     using Page = Int<kPageBlock>;
@@ -43,7 +45,7 @@ struct SplitKVTraits {
         GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     using MmaQKRegQ = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
+        GMMA::rs_op_selector<IoElement, IoElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
     // memory (the other warpgroup's page); V is the cache tile read MN-major.
