@@ -1,6 +1,7 @@
 """The ``flashmla-cupy`` command line (also ``python -m flashmla_cupy``).
 
     flashmla-cupy [profile] [mla]      the seed's MLA grid against the measured roofs (default)
+    flashmla-cupy profile sparse       DeepSeek-V3.2 sparse FP8 decoding, the production grid
     flashmla-cupy profile attention    flash_attn_minimal vs manual attention (seed 000), N sweep
     flashmla-cupy compile              build or verify every kernel's cubin; ptxas report
     flashmla-cupy info                 device, driver, versions, bundled cubins, compile cache
@@ -16,7 +17,7 @@ import re
 import sys
 
 SUBCOMMANDS = ("profile", "compile", "info")
-PROFILE_KINDS = ("mla", "attention")         # `flashmla-cupy attention` = `flashmla-cupy profile attention`
+PROFILE_KINDS = ("mla", "sparse", "attention")     # `flashmla-cupy KIND` = `flashmla-cupy profile KIND`
 EPILOG = """\
 examples:
   flashmla-cupy                              full seed grid (b 128; s_k 4096/8192/16384; h_q 16-128; s_q 1, 2; varlen off/on)
@@ -24,6 +25,7 @@ examples:
   flashmla-cupy profile --heads 128 --s-q 1 --varlen off --baseline cupy --csv out.csv --plot out.png
   flashmla-cupy profile --quick --inputs torch --baseline flash_mla    torch tensors, FlashMLA side by side
   flashmla-cupy profile --quick --value-checks off                   the default call without value checks
+  flashmla-cupy profile sparse --quick --check   DeepSeek-V3.2 sparse FP8 decoding, two production rows
   flashmla-cupy profile attention            the minimal FlashAttention kernel against manual attention
   flashmla-cupy compile --arch sm_90a        build every kernel without a GPU
 """
@@ -69,23 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each shape (CUDA events, L2 flushed, warm-up first) and compare with the copy-"
                     "bandwidth and matmul ceilings measured in the same run. MLA: what is timed is the call "
                     "users make (default arguments, value checks in their current mode) on CuPy arrays, or on "
-                    "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it.",
+                    "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it. "
+                    "Sparse: the same call with indices over the FP8 cache; on an H200, FlashMLA's times from "
+                    "another run stand beside it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pr.add_argument("what", nargs="?", choices=("mla", "attention"), default="mla",
-                    help="mla: paged MLA decoding, the seed's grid (default); "
+    pr.add_argument("what", nargs="?", choices=PROFILE_KINDS, default="mla",
+                    help="mla: paged MLA decoding, the seed's grid (default); sparse: DeepSeek-V3.2 sparse "
+                         "decoding over the FP8 cache, its production grid; "
                          "attention: flash_attn_minimal vs manual attention (seed 000)")
-    g = pr.add_argument_group("shapes")
+    g = pr.add_argument_group("shapes (sparse: each option given replaces that column of every production row)")
     g.add_argument("--quick", action="store_true",
-                   help="a few shapes (seconds, not minutes): 4 of the MLA grid, or N 64 and 1024 for attention")
+                   help="a few shapes (seconds, not minutes): 4 of the MLA grid, the first 2 sparse rows, "
+                        "or N 64 and 1024 for attention")
     g.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="MLA dtype (default bf16)")
     g.add_argument("--batch", type=_int_list, metavar="B[,B...]",
                    help="batch sizes (default: 128; attention: 16)")
     g.add_argument("--seqlens", type=_int_list, metavar="S[,S...]",
-                   help="mean cache lengths (default 4096,8192,16384); attention: N (default 64,...,4096)")
+                   help="mean cache lengths (default 4096,8192,16384); sparse: s_k, the tokens each request "
+                        "owns; attention: N (default 64,...,4096)")
     g.add_argument("--heads", type=_int_list, metavar="H[,H...]",
                    help="query heads (default 16,32,64,128; attention: 12)")
     g.add_argument("--s-q", dest="s_q", type=_int_list, metavar="S[,S...]",
                    help="query tokens per request (default 1,2)")
+    g.add_argument("--topk", type=_int_list, metavar="K[,K...]",
+                   help="sparse: cache tokens each query token attends to (production rows: 2048, 16384)")
     g.add_argument("--h-kv", dest="h_kv", type=_positive_int, default=1, help="KV heads (default 1)")
     g.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=64,
                    help="attention head dim (default 64)")
@@ -115,13 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a speed-up column (its time / ours): flash_mla = FlashMLA's own "
                         "flash_mla_with_kvcache (the flash_mla package, seed or upstream API; skipped with the "
                         "reason when it is not importable), cupy = the plain CuPy implementation "
-                        "(flashmla_cupy.baselines); default none. attention always compares with manual attention")
+                        "(flashmla_cupy.baselines); default none. attention always compares with manual attention; "
+                        "sparse has none (on an H200, FlashMLA's times from another run stand beside it)")
     o.add_argument("--inputs", choices=("cupy", "torch"), default="cupy",
                    help="MLA: what the timed call gets: cupy = CuPy arrays, flashmla_cupy.flash_mla_with_kvcache "
                         "(default); torch = torch tensors viewing the same buffers (DLPack), through the drop-in "
                         "flashmla_cupy.flash_mla, on torch's current stream (needs torch with CUDA)")
     o.add_argument("--value-checks", dest="value_checks", choices=("async", "sync", "off"), default=None,
-                   help="MLA: value check mode of the timed calls (see the README's Value checks): async "
+                   help="MLA, sparse: value check mode of the timed calls (see the README's Value checks): async "
                         "(records bad values, raises at the next call), sync (synchronizes after each call), "
                         "off; default: the library's current mode (async unless FLASHMLA_CUPY_VALUE_CHECKS "
                         "says otherwise). The mode is in the header and the JSON")
@@ -129,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="error against the float64 reference (cos_diff, max |error|) for every target")
     o.add_argument("--csv", metavar="PATH", help="write every number (seed columns name,batch,seqlen,head,bw first)")
     o.add_argument("--json", metavar="PATH", help="write every number with the environment and ceilings")
-    o.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s and TFLOP/s per target (needs matplotlib)")
+    o.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of GB/s and TFLOP/s per target (needs matplotlib; mla and attention)")
     pr.set_defaults(func=cmd_profile)
 
     # ---- compile -------------------------------------------------------------------------
@@ -208,6 +219,13 @@ def _mla_shapes(args):
                         h_kv=args.h_kv, causal=causal, dtype=args.dtype, seed=args.seed)
 
 
+def _sparse_shapes(args):
+    from .profiler import shapes as shp
+
+    return shp.sparse_grid(args.batch or (), args.heads or (), args.s_q or (), args.seqlens or (), args.topk or (),
+                           quick=args.quick)
+
+
 def _attention_shapes(args):
     from .profiler import shapes as shp
 
@@ -226,36 +244,55 @@ def select_targets(kind: str, inputs: str, baseline: str) -> tuple[str, str | No
 
     if kind == "mla":
         return targets.MAIN_MLA_TARGETS[inputs], (None if baseline == "none" else baseline)
+    if kind == "sparse":
+        return targets.MAIN_SPARSE_TARGET, None
     return targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
 
 
+def _sparse_refusal(args) -> str | None:
+    """Why ``profile sparse`` cannot do what these options ask, or ``None``."""
+    if args.baseline != "none":
+        return (f"--baseline {args.baseline} is not available for sparse: there is no plain CuPy sparse decoding, "
+                "and FlashMLA's sparse kernel is not built here (on an H200, its times from another run stand "
+                "beside ours)")
+    if args.inputs != "cupy":
+        return f"--inputs {args.inputs} is not available for sparse: it times CuPy arrays"
+    if args.plot:
+        return "--plot is not available for sparse: its rows are production shapes, not a sweep to draw"
+    return None
+
+
 def cmd_profile(args) -> int:
-    from .profiler import report, runner, targets
+    from .profiler import build, report, runner, targets
     from .profiler.env import NoGPU, environment
 
     kind = args.what
+    why = _sparse_refusal(args) if kind == "sparse" else None
+    if why:
+        raise _fail("profile", why)
     if args.plot and report.matplotlib_status():
         raise _fail("profile", report.matplotlib_status())
     try:
-        shape_list = _mla_shapes(args) if kind == "mla" else _attention_shapes(args)
+        shape_list = {"mla": _mla_shapes, "sparse": _sparse_shapes, "attention": _attention_shapes}[kind](args)
     except ValueError as e:
         raise _fail("profile", str(e)) from None
     from . import value_check_mode
 
     main_t, baseline = select_targets(kind, args.inputs, args.baseline)
     names = [main_t] + ([baseline] if baseline else [])
+    on_mla_kernels = kind != "attention"      # dense or sparse: Hopper only, bf16 roof, value checks
     config = runner.RunConfig(targets=names, baseline=baseline, repeats=args.repeats, warmup=args.warmup,
                               budget_s=args.budget, graph=args.graph, flush=args.flush, check=args.check,
                               seed=args.seed, device=args.device, measure_ceilings=args.ceilings,
-                              matmul_dtype="bf16" if kind == "mla" else "fp32", inputs=args.inputs,
-                              value_checks=(args.value_checks or value_check_mode()) if kind == "mla" else None)
+                              matmul_dtype="bf16" if on_mla_kernels else "fp32", inputs=args.inputs,
+                              value_checks=(args.value_checks or value_check_mode()) if on_mla_kernels else None)
     try:
-        gpu = runner.require_device(config, need_hopper=(kind == "mla"))
+        gpu = runner.require_device(config, need_hopper=on_mla_kernels)
     except NoGPU as e:
         raise _fail("profile", f"{e}. `flashmla-cupy info` shows the environment; "
                                "`flashmla-cupy compile --arch sm_90a` builds the kernels without a GPU.") from None
-    if kind == "mla":
-        why = targets.MLA_TARGETS[main_t].requires()
+    if on_mla_kernels:
+        why = targets.TARGETS[kind][main_t].requires()
         if why:
             raise _fail("profile", f"--inputs {args.inputs} cannot run here: {why}")
 
@@ -265,8 +302,7 @@ def cmd_profile(args) -> int:
     report.print_header(out, report.header_lines(env, runner.method_description(
         config, gpu.get("l2_bytes", 0), kind), kind=kind, seed=args.seed))
     try:
-        from .profiler.build import prebuild
-        prebuild(kind, err, arch=gpu["arch"], dtype_tag=args.dtype if kind == "mla" else None)
+        build.prebuild(build.profile_programs(kind, args.dtype), err, arch=gpu["arch"])
     except Exception as e:  # noqa: BLE001 - the run reports per-target failures itself
         err.print(f"[yellow]kernel prebuild failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}[/]")
 
@@ -275,13 +311,14 @@ def cmd_profile(args) -> int:
     out.print()
     for line in report.describe_ceilings(result.ceilings):
         out.print(f"[bold cyan]Ceiling[/] {line}", highlight=False)
-    title = (f"MLA decoding, {shape_list[0].dtype}, {'causal' if shape_list[0].causal else 'non-causal'}, "
-             f"h_kv {shape_list[0].h_kv}" if kind == "mla" else "attention, float32")
-    others = [n for n in names if n != main_t and n not in result.skipped_targets]
-    table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others, title=title)
+    # Every target with a record: the measured ones not skipped, and anchors from another run.
+    others = list(dict.fromkeys(r["name"] for r in result.records if r["name"] != main_t))
+    table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others,
+                                         title=_table_title(kind, shape_list[0]))
     out.print(table)
     if args.check:
-        out.print(report.check_table(result.records, kind=kind, targets=[main_t, *others]))
+        measured = [n for n in [main_t, *others] if n in names]        # anchors have no outputs to check
+        out.print(report.check_table(result.records, kind=kind, targets=measured))
     for e in errors:
         out.print(f"[red]error[/] {e}", highlight=False)
     for n in [main_t, *others]:           # a note shared by all of a target's rows, e.g. FlashMLA's API
@@ -299,13 +336,21 @@ def cmd_profile(args) -> int:
     return 1 if (failed or result.interrupted or main_t in result.skipped_targets) else 0
 
 
+def _table_title(kind: str, shape) -> str:
+    if kind == "mla":
+        return f"MLA decoding, {shape.dtype}, {'causal' if shape.causal else 'non-causal'}, h_kv {shape.h_kv}"
+    if kind == "sparse":
+        return "DeepSeek-V3.2 sparse decoding: q bf16, FP8 cache (656 B/token), attention sink"
+    return "attention, float32"
+
+
 def _run_with_progress(kind, shape_list, config, gpu, err):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
     from .profiler import runner
 
-    work = runner.mla_workload() if kind == "mla" else runner.attention_workload()
+    work = runner.workload(kind)
     total = len(shape_list) * len(config.targets)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
@@ -329,6 +374,8 @@ def _shape_text(kind: str, r: dict) -> str:
     if kind == "mla":
         return (f"b={r['batch']} s_k={r['mean_seqlen']}{'~' if r.get('varlen') else ''} "
                 f"h_q={r['h_q']} s_q={r['s_q']}")
+    if kind == "sparse":
+        return f"b={r['batch']} h_q={r['h_q']} s_q={r['s_q']} s_k={r['s_k']} topk={r['topk']}"
     return f"B={r['batch']} H={r['heads']} N={r['seqlen']} d={r['head_dim']}"
 
 

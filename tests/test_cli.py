@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("word, suggestion", [("complie", "compile"), ("infoo", "info"), ("atention", "attention"),
-                                              ("xyz", None)])
+                                              ("sprase", "sparse"), ("xyz", None)])
 def test_an_unknown_command_is_an_error_with_a_suggestion(capsys, word, suggestion):
     with pytest.raises(SystemExit) as excinfo:
         cli.main([word, "--arch", "sm_90a"])
@@ -30,7 +30,9 @@ def test_an_unknown_command_is_an_error_with_a_suggestion(capsys, word, suggesti
 
 
 @pytest.mark.parametrize("argv, what", [([], "mla"), (["--quick"], "mla"), (["mla", "--quick"], "mla"),
-                                        (["attention"], "attention"), (["profile", "attention"], "attention")])
+                                        (["attention"], "attention"), (["profile", "attention"], "attention"),
+                                        (["sparse"], "sparse"), (["profile", "sparse", "--quick"], "sparse"),
+                                        (["profile", "--topk", "128,256", "sparse"], "sparse")])
 def test_without_a_command_flashmla_cupy_profiles(monkeypatch, argv, what):
     seen = []
     monkeypatch.setattr(cli, "cmd_profile", lambda args: seen.append(args.what) or 0)

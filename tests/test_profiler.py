@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flashmla_cupy import baselines, cli, reference
-from flashmla_cupy.profiler import build, ceilings, env, inputs, report, runner, shapes, targets, timing
+from flashmla_cupy import baselines, cli, quant, reference
+from flashmla_cupy.profiler import anchors, build, ceilings, env, inputs, report, runner, shapes, targets, timing
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -299,9 +299,8 @@ def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[
     for name in real:
         t = targets.MLA_TARGETS[name]
         table[name] = dataclasses.replace(t, setup=tracked(name, t.setup))
-    return runner.Workload("mla", table, functools.partial(inputs.make_mla_inputs, xp=np),
-                           runner._mla_reference, runner._mla_compare, shapes.mla_flops, shapes.mla_bytes,
-                           runner._mla_fields)
+    return dataclasses.replace(runner.mla_workload(), table=table,
+                               make_inputs=functools.partial(inputs.make_mla_inputs, xp=np))
 
 
 def _small_grid():
@@ -371,9 +370,8 @@ def test_attention_run_on_numpy():
         return targets.Prepared(run, run())
 
     table = {n: targets.Target(n, "", setup) for n in ("flash_attn_minimal", "manual")}
-    work = runner.Workload("attention", table, functools.partial(inputs.make_attention_inputs, xp=np),
-                           runner._attention_reference, runner._attention_compare, shapes.attention_flops,
-                           shapes.attention_bytes, runner._attention_fields)
+    work = dataclasses.replace(runner.attention_workload(), table=table,
+                               make_inputs=functools.partial(inputs.make_attention_inputs, xp=np))
     config = runner.RunConfig(targets=["flash_attn_minimal", "manual"], baseline="manual", check=True)
     session = FakeSession(config)
     session.current = "flash_attn_minimal"
@@ -729,6 +727,8 @@ def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
     (["--baseline", "cupy", "--value-checks", "sync"], "flashmla", "cupy"),
     (["--inputs", "torch", "--baseline", "flash_mla", "--value-checks", "off"], "flashmla_torch", "flash_mla"),
     (["attention", "--baseline", "flash_mla"], "flash_attn_minimal", "manual"),
+    (["sparse"], "flashmla", None),
+    (["sparse", "--value-checks", "off"], "flashmla", None),
 ])
 def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseline):
     import flashmla_cupy
@@ -747,6 +747,7 @@ def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseli
         config = seen["config"]
         assert config.targets == [main] + ([baseline] if baseline else []) and config.baseline == baseline
         assert config.inputs == ("torch" if "torch" in argv else "cupy")
+        assert config.matmul_dtype == ("fp32" if "attention" in argv else "bf16")
         if "attention" in argv:
             assert config.value_checks is None
         else:      # --value-checks, else the library's mode at the time
@@ -762,6 +763,125 @@ def test_profile_value_checks_rejects_unknown_modes():
     with pytest.raises(SystemExit) as excinfo:
         cli.main(["profile", "--inputs", "jax"])
     assert excinfo.value.code == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse decoding (DeepSeek-V3.2): grid, cost model, inputs, anchors, the loop on NumPy
+# --------------------------------------------------------------------------------------------
+
+# A production row at a size NumPy runs in moments (the CLI tests shrink every row to this).
+SMALL_SPARSE = {"batch": 2, "h_q": 16, "s_k": 256, "topk": 64}
+
+
+def _numpy_sparse_workload(session: FakeSession):
+    """The sparse workload on NumPy: ``flashmla`` is the float64 reference, rounded to the call's
+    output dtypes (bf16 out, float32 lse)."""
+    def setup(inp):
+        session.current = "flashmla"
+
+        def run():
+            out, lse = reference.mla_decode_sparse(inp.q, inp.k_cache, inp.indices, attn_sink=inp.attn_sink)
+            return baselines.from_float32(out.astype(np.float32), BF16), lse.astype(np.float32)
+        return targets.Prepared(run, run())
+
+    return dataclasses.replace(runner.sparse_workload(), table={"flashmla": targets.Target("flashmla", "", setup)},
+                               make_inputs=functools.partial(inputs.make_sparse_inputs, xp=np))
+
+
+def test_sparse_grid_is_the_v32_production_grid():
+    rows = [(2, 128, 2, 32768, 2048), (64, 128, 2, 32768, 2048), (74, 128, 2, 32768, 2048),
+            (128, 128, 2, 32768, 2048), (128, 64, 2, 32768, 2048), (128, 128, 1, 32768, 2048),
+            (148, 64, 2, 32768, 16384), (148, 128, 2, 32768, 16384)]
+    assert [s.key for s in shapes.sparse_grid()] == rows
+    assert [s.key for s in shapes.sparse_grid(quick=True)] == rows[:2]
+    s = shapes.sparse_grid()[0]
+    assert (s.d, s.dv, s.num_blocks, s.attended_tokens) == (576, 512, 2 * 32768 // 64, 2 * 2 * 2048)
+    assert s.label() == "b=2 h_q=128 s_q=2 s_k=32768 topk=2048"
+    # A list replaces its column in every row: one row per value, duplicates dropped, order kept.
+    assert [s.key for s in shapes.sparse_grid(batches=(4,))] == [
+        (4, 128, 2, 32768, 2048), (4, 64, 2, 32768, 2048), (4, 128, 1, 32768, 2048),
+        (4, 64, 2, 32768, 16384), (4, 128, 2, 32768, 16384)]
+    assert [s.key for s in shapes.sparse_grid(batches=(1, 2), s_ks=(4096,), topks=(128,), quick=True)] == [
+        (1, 128, 2, 4096, 128), (2, 128, 2, 4096, 128)]
+    with pytest.raises(ValueError, match="topk=4096 is more than s_k=2048"):
+        shapes.sparse_grid(s_ks=(2048,), topks=(4096,))
+
+
+def test_sparse_flops_and_bytes_by_hand():
+    s = shapes.SparseShape(batch=3, h_q=4, s_q=2, s_k=256, topk=64)
+    assert shapes.sparse_flops(s) == 2 * 4 * (3 * 2 * 64) * (576 + 512) == 3_342_336
+    # q [3, 2, 4, 576] and out [3, 2, 4, 512] in bf16, 300 distinct tokens of 656 bytes
+    assert shapes.sparse_bytes(s, 300) == 2 * 3 * 2 * 4 * 576 + 2 * 3 * 2 * 4 * 512 + 300 * 656 == 249_024
+
+
+@pytest.mark.parametrize("key, us, tflops", [
+    # anchors-sparse-fp8-h200.md: the FLOPs of upstream's lib.py over its µs give its TFLOP/s
+    ((2, 128, 2, 32768, 2048), 20.3, 112), ((64, 128, 2, 32768, 2048), 186.9, 391),
+    ((74, 128, 2, 32768, 2048), 226.3, 373), ((128, 128, 2, 32768, 2048), 364.6, 400),
+    ((128, 64, 2, 32768, 2048), 226.4, 322), ((128, 128, 1, 32768, 2048), 187.0, 390),
+    ((148, 64, 2, 32768, 16384), 1866.7, 362), ((148, 128, 2, 32768, 16384), 3050.6, 443),
+])
+def test_sparse_flops_match_the_anchor_rows(key, us, tflops):
+    shape = shapes.SparseShape(*key)
+    assert shapes.sparse_flops(shape) / (us * 1e-6) / 1e12 == pytest.approx(tflops, abs=0.6)
+    assert anchors.flash_mla_sparse_ms(shape, "NVIDIA H200") == pytest.approx(us / 1e3)
+
+
+def test_anchors_are_shown_on_an_h200_only():
+    shape = shapes.sparse_grid()[0]
+    assert anchors.flash_mla_sparse_ms(shape, "NVIDIA H200") == pytest.approx(0.0203)
+    assert anchors.flash_mla_sparse_ms(shape, "NVIDIA H200 NVL") == pytest.approx(0.0203)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H20", ""):
+        assert anchors.flash_mla_sparse_ms(shape, name) is None
+    assert anchors.flash_mla_sparse_ms(dataclasses.replace(shape, batch=3), "NVIDIA H200") is None
+    assert set(anchors.SPARSE_FP8_H200_US) == {s.key for s in shapes.sparse_grid()}
+
+
+def test_sparse_inputs_on_numpy():
+    shape = shapes.SparseShape(batch=3, h_q=4, s_q=2, s_k=256, topk=64)
+    inp = inputs.make_sparse_inputs(shape, seed=5, xp=np)
+    assert inp.q.shape == (3, 2, 4, 576) and inp.q.dtype == BF16
+    assert inp.k_cache.shape == (12, 64, 1, 656) and inp.k_cache.dtype == np.uint8
+    assert inp.indices.shape == (3, 2, 64) and inp.indices.dtype == np.int32
+    assert inp.attn_sink.shape == (4,) and inp.attn_sink.dtype == np.float32
+    assert (inp.cache_seqlens == 256).all() and inp.cache_seqlens.dtype == np.int32
+    for i in range(3):                       # request i: distinct tokens of its own s_k per query token
+        for j in range(2):
+            row = inp.indices[i, j]
+            assert len(set(row.tolist())) == 64 and (row >= 256 * i).all() and (row < 256 * (i + 1)).all()
+    assert inp.retrieved_tokens == len(np.unique(inp.indices))
+    assert 3 * 64 < inp.retrieved_tokens < 3 * 2 * 64       # two draws of 64 in 256 overlap a little
+    cache = quant.dequantize_fp8_sparse(inp.k_cache, np.float32)
+    assert np.isfinite(cache).all() and (np.abs(cache) > 0).mean() > 0.9     # random data, not zeros
+    again = inputs.make_sparse_inputs(shape, seed=5, xp=np)
+    assert (again.indices == inp.indices).all() and (again.k_cache == inp.k_cache).all()
+    other = inputs.make_sparse_inputs(shape, seed=6, xp=np)
+    assert (other.indices != inp.indices).any()
+
+
+@pytest.mark.parametrize("gpu_name, anchored", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+def test_sparse_run_on_numpy_with_flash_mla_anchors(monkeypatch, gpu_name, anchored):
+    small = shapes.sparse_grid(batches=(2, 3), heads=(16,), s_ks=(256,), topks=(64,), quick=True)
+    monkeypatch.setattr(anchors, "SPARSE_FP8_H200_US", {small[0].key: 100.0})        # one of the two rows
+    config = runner.RunConfig(targets=["flashmla"], check=True)
+    session = FakeSession(config)
+    result = runner.run(_numpy_sparse_workload(session), small, config, gpu={"name": gpu_name}, session=session)
+    ours = [r for r in result.records if r["name"] == "flashmla"]
+    assert len(ours) == 2 and all("error" not in r and r["check_ok"] for r in ours), ours
+    for r, shape in zip(ours, small):
+        assert r["flops"] == shapes.sparse_flops(shape)
+        assert r["bytes"] > 2 * shape.batch * 2 * 16 * 1088 + shape.batch * 64 * 656
+        assert (r["batch"], r["seqlen"], r["head"], r["s_k"], r["topk"]) == (shape.batch, 256, 16, 256, 64)
+    assert ceilings.NO_FP8_MATMUL in result.ceilings.notes
+    flash_mla = [r for r in result.records if r["name"] == "flash_mla"]
+    if not anchored:
+        assert flash_mla == [] and all("speedup" not in r for r in ours)
+        return
+    (a,) = flash_mla
+    assert a["shape_index"] == 0 and a["ms_median"] == 0.1 and a["notes"] == anchors.NOTE
+    assert a["bytes"] == ours[0]["bytes"] and a["gbps"] == pytest.approx(a["bytes"] / 1e-4 / 1e9)
+    assert ours[0]["speedup"] == pytest.approx(0.1 / ours[0]["ms_median"]) and ours[0]["speedup_vs"] == "flash_mla"
+    assert "speedup" not in ours[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -783,7 +903,8 @@ def test_profile_without_gpu_exits_with_one_line(monkeypatch, capsys, failure):
         raise cupy.cuda.runtime.CUDARuntimeError(35)     # cudaErrorInsufficientDriver
 
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_driver if failure == "raise" else lambda: 0)
-    for argv in (["profile"], [], ["--quick"], ["profile", "attention", "--quick"]):
+    for argv in (["profile"], [], ["--quick"], ["profile", "attention", "--quick"], ["profile", "sparse"],
+                 ["sparse", "--quick", "--check"]):
         with pytest.raises(SystemExit) as excinfo:
             cli.main(argv)
         _assert_one_line_exit(excinfo, "no CUDA GPU")
@@ -798,38 +919,62 @@ def test_profile_plot_without_matplotlib(monkeypatch):
     _assert_one_line_exit(excinfo, "matplotlib", "flashmla-cupy[plot]")
 
 
-def test_profile_on_non_hopper_exits(monkeypatch):
+@pytest.mark.parametrize("kind", ["mla", "sparse"])
+def test_profile_on_non_hopper_exits(monkeypatch, kind):
     monkeypatch.setattr(env, "gpu_count", lambda: 1)
     monkeypatch.setattr(env, "device_info", lambda i: {"name": "Fake A100", "compute_capability": "8.0"})
     with pytest.raises(SystemExit) as excinfo:
-        cli.main(["profile", "--quick"])
+        cli.main(["profile", kind, "--quick"])
     _assert_one_line_exit(excinfo, "Hopper", "Fake A100")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--baseline", "flash_mla"], ("--baseline flash_mla is not available for sparse", "H200")),
+    (["--baseline", "cupy"], ("--baseline cupy is not available for sparse",)),
+    (["--inputs", "torch"], ("--inputs torch is not available for sparse",)),
+    (["--plot", "x.png"], ("--plot is not available for sparse",)),
+    (["--seqlens", "1024", "--topk", "2048"], ("topk=2048 is more than s_k=1024",)),
+])
+def test_profile_sparse_refuses_what_it_cannot_do(monkeypatch, argv, words):
+    def no_device(config, need_hopper):
+        raise AssertionError("refused before looking for a device")
+
+    monkeypatch.setattr(runner, "require_device", no_device)
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "sparse", *argv])
+    _assert_one_line_exit(excinfo, *words)
 
 
 FAKE_GPU = {"name": "Fake H100", "sm_count": 132, "arch": "sm_90a", "compute_capability": "9.0",
             "memory_bytes": 80 << 30, "l2_bytes": 50 << 20}
 
 
-def _cli_with_a_stand_in_gpu(monkeypatch, argv, real=()):
-    """cli.main(argv) with the device, the session and the kernels replaced (NumPy underneath);
-    ``real`` names targets of ``targets.MLA_TARGETS`` that run as they are."""
+def _smaller(shape):
+    """The shape at a size NumPy runs in moments (MLA: 2 requests; sparse: ``SMALL_SPARSE``)."""
+    if isinstance(shape, shapes.SparseShape):
+        return dataclasses.replace(shape, **SMALL_SPARSE)
+    return dataclasses.replace(shape, batch=2, seqlens=shape.seqlens[:2])
+
+
+def _cli_with_a_stand_in_gpu(monkeypatch, argv, real=(), gpu=FAKE_GPU):
+    """cli.main(argv) with the device, the session and the kernels replaced (NumPy underneath, shapes
+    made ``_smaller``); ``real`` names targets of ``targets.MLA_TARGETS`` that run as they are."""
     monkeypatch.setenv("COLUMNS", "250")
-    monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: FAKE_GPU)
-    monkeypatch.setattr(env, "environment", lambda device: {"versions": {}, "gpu": FAKE_GPU, "pdl": "on"})
+    monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: gpu)
+    monkeypatch.setattr(env, "environment", lambda device: {"versions": {}, "gpu": gpu, "pdl": "on"})
     monkeypatch.setattr(build, "prebuild", lambda *a, **k: None)
     sessions = []
 
-    def fake_workload():
+    def fake_workload(kind):
         session = FakeSession(None)
         sessions.append(session)
-        return _numpy_mla_workload(session, real=real)
+        return _numpy_sparse_workload(session) if kind == "sparse" else _numpy_mla_workload(session, real=real)
 
     def fake_run(work, shape_list, config, **kw):
-        small = [dataclasses.replace(s, batch=2, seqlens=s.seqlens[:2]) for s in shape_list]
-        return real_run(work, small, config, session=sessions[-1], **kw)
+        return real_run(work, [_smaller(s) for s in shape_list], config, session=sessions[-1], **kw)
 
     real_run = runner.run
-    monkeypatch.setattr(runner, "mla_workload", fake_workload)
+    monkeypatch.setattr(runner, "workload", fake_workload)
     monkeypatch.setattr(runner, "run", fake_run)
     return cli.main(argv)
 
@@ -898,6 +1043,35 @@ def test_profile_goes_on_without_flash_mla(monkeypatch, tmp_path, capsys):
     assert all("speedup" not in r for r in data["records"])
 
 
+@pytest.mark.parametrize("gpu_name", ["Fake H200", "Fake H100"])
+def test_profile_sparse_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys, gpu_name):
+    """cli → runner → report for sparse: µs, the shape columns, --check, the exports; on an H200
+    FlashMLA's anchors as a column with the speed-up and the note that they come from another run."""
+    small = shapes.SparseShape(**SMALL_SPARSE, s_q=2)
+    monkeypatch.setattr(anchors, "SPARSE_FP8_H200_US", {small.key: 100.0})
+    csv_path, json_path = tmp_path / "s.csv", tmp_path / "s.json"
+    argv = ["profile", "sparse", "--quick", "--check", "--csv", str(csv_path), "--json", str(json_path)]
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv, gpu=dict(FAKE_GPU, name=gpu_name)) == 0
+    out = capsys.readouterr().out
+    anchored = gpu_name == "Fake H200"
+    assert "sparse decoding" in out and "flashmla" in out and "µs" in out and "topk" in out and "cos_diff" in out
+    assert "656·distinct cache tokens" in out and "no FP8 matmul ceiling" in out
+    header = next(line for line in out.splitlines() if "flashmla" in line and "p10–p90" in line)
+    assert ("flash_mla" in header and "speed" in header) == anchored
+    assert ("note flash_mla: anchors from another run, not measured in this one" in out) == anchored
+    assert ("100.0" in out) == anchored
+    data = json.loads(json_path.read_text())
+    assert data["kind"] == "sparse" and data["config"]["baseline"] is None
+    assert ceilings.NO_FP8_MATMUL in data["ceilings"]["notes"]
+    ours = [r for r in data["records"] if r["name"] == "flashmla"]
+    assert len(ours) == 2 and all(r["check_ok"] for r in ours)
+    assert {r["name"] for r in data["records"]} == ({"flashmla", "flash_mla"} if anchored else {"flashmla"})
+    assert all(("speedup" in r) == anchored for r in ours)
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["name"] == "flashmla" and int(rows[0]["seqlen"]) == 256 and int(rows[0]["topk"]) == 64
+
+
 def test_profile_torch_inputs_unavailable_exits_with_one_line(monkeypatch):
     monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: FAKE_GPU)
     monkeypatch.setattr(targets, "_requires_torch", lambda: "torch is not importable (stand-in)")
@@ -942,6 +1116,15 @@ def test_compile_takes_every_program_from_the_registry():
     assert build.filter_programs(found, ["metadata"]) == [p for p in found if "metadata" in p.name]
     assert build.short_kernel_name("flashmla::mla_combine_kernel<cutlass::bfloat16_t>") == \
         "mla_combine_kernel<bfloat16_t>"
+
+
+def test_a_profile_prebuilds_the_programs_it_launches():
+    names = {kind: [p.name for p in build.profile_programs(kind, "fp16")] for kind in ("mla", "sparse")}
+    assert names == {"mla": ["splitkv_mla<fp16>", "mla_combine<fp16>", "mla_metadata"],
+                     "sparse": ["splitkv_mla<fp8_sparse>", "mla_combine<bf16>", "mla_metadata"]}
+    assert build.profile_programs("attention") == build.collect_programs("attention")
+    registry = build.collect_programs()
+    assert all(p in registry for kind in ("mla", "sparse") for p in build.profile_programs(kind))
 
 
 def test_compile_list_without_gpu(capsys):
@@ -1048,6 +1231,20 @@ def test_profile_inputs_value_checks_and_flash_mla_on_hopper(tmp_path, argv):
     mode = argv[argv.index("--value-checks") + 1] if "--value-checks" in argv else "async"
     assert data["method"]["value_checks"] == data["config"]["value_checks"] == mode
     assert f"current mode ({mode}" in data["method"]["timed"]
+    assert rc == 0
+
+
+@pytest.mark.hopper
+def test_profile_sparse_on_hopper(tmp_path):
+    """A small sparse run on the GPU: the call with indices against the float64 reference."""
+    path = tmp_path / "s.json"
+    rc = cli.main(["profile", "sparse", "--batch", "3", "--heads", "64", "--s-q", "2", "--seqlens", "4096",
+                   "--topk", "512", "--repeats", "10", "--warmup", "2", "--no-ceilings", "--check",
+                   "--json", str(path)])
+    data = json.loads(path.read_text())
+    ours = [r for r in data["records"] if r["name"] == "flashmla"]
+    assert len(ours) == 1 and all("error" not in r and r["check_ok"] for r in ours), ours
+    assert ours[0]["ms_median"] > 0 and ours[0]["topk"] == 512
     assert rc == 0
 
 

@@ -133,14 +133,20 @@ def records(cubins: list) -> list[dict]:
     return out
 
 
-def prebuild(module: str, console, *, arch: str, dtype_tag: str | None = None) -> None:
-    """Before a profile: build the kernels it will launch, with our own progress display (the
-    compiler's own status line would collide with the profile's progress bar)."""
-    progs = collect_programs(module)
-    if dtype_tag:
-        progs = [p for p in progs if "<" not in p.name or f"<{dtype_tag}>" in p.name]
-    if not progs:
-        return
+def profile_programs(kind: str, dtype_tag: str = "bf16") -> list:
+    """The programs a profile launches: for MLA the split-KV, combine and metadata kernels of one
+    dtype; for sparse decoding the FP8 split-KV kernel with the bf16 combine and the metadata
+    kernel; for attention the minimal FlashAttention's."""
+    from .. import programs
+    if kind == "attention":
+        return collect_programs("attention")
+    splitkv_tag, out_tag = (programs.SPARSE_FP8_TAG, "bf16") if kind == "sparse" else (dtype_tag, dtype_tag)
+    return [programs.splitkv_program(splitkv_tag), programs.combine_program(out_tag), programs.metadata_program()]
+
+
+def prebuild(progs: list, console, *, arch: str) -> None:
+    """Before a profile: build the kernels it will launch (``profile_programs``), with our own
+    progress display (the compiler's own status line would collide with the profile's progress bar)."""
     from .. import bundled, compiler
     missing = [p for p in progs if bundled.lookup(p, arch) is None and not compiler.entry_path(p, arch).is_file()]
     if missing:

@@ -6,6 +6,11 @@ data; every cache slot at or past a request's length is NaN (as in the seed), so
 reads it shows it in ``--check``. Generated in chunks of requests so that the float32 staging
 never exceeds ~1 GiB whatever the shape.
 
+Sparse (DeepSeek-V3.2): q bf16 ``[b, s_q, h_q, 576]``; an FP8 cache ``[num_blocks, 64, 1, 656]``
+quantized (``flashmla_cupy.quant``) from standard-normal bf16 rows; ``indices [b, s_q, topk]``,
+for request i distinct tokens of its own ``[i · s_k, (i + 1) · s_k)`` (each query token its own
+draw, as upstream's test draws them); an attention sink ``[h_q]``. Also in chunks of tokens.
+
 Attention: float32 q, k, v ``[B, H, N, d]``, standard normal.
 """
 from __future__ import annotations
@@ -15,8 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import baselines
-from .shapes import PAGE_BLOCK, AttentionShape, MLAShape
+from .. import baselines, quant
+from ..constants import FP8_TOKEN_BYTES
+from .shapes import PAGE_BLOCK, AttentionShape, MLAShape, SparseShape
 
 STAGING_BYTES = 1 << 30
 
@@ -82,6 +88,57 @@ def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
         del block
     block_table = xp.arange(b * pages, dtype=np.int32).reshape(b, pages)
     return MLABenchInputs(shape, q, k_cache, block_table, xp.asarray(seqlens))
+
+
+@dataclass
+class SparseBenchInputs:
+    shape: SparseShape
+    q: object                  # cupy arrays
+    k_cache: object
+    indices: object
+    attn_sink: object
+    cache_seqlens: object      # s_k per request: get_mla_metadata reads only its length here
+    retrieved_tokens: int      # distinct cache tokens the indices name (the bytes' cache part)
+
+
+def _distinct_tokens(gen, rows: int, s_k: int, topk: int, xp):
+    """int32 ``[rows, topk]``: per row, ``topk`` distinct offsets in ``[0, s_k)`` (the head of a
+    random permutation), in chunks of rows so that the sort keys stay within the staging size."""
+    step = max(1, STAGING_BYTES // (s_k * 12))          # float32 keys + int64 order per token
+    parts = []
+    for lo in range(0, rows, step):
+        keys = gen.random((min(step, rows - lo), s_k), dtype=np.float32)
+        parts.append(xp.argsort(keys, axis=-1)[:, :topk].astype(np.int32))
+        del keys
+    return xp.concatenate(parts)
+
+
+def make_sparse_inputs(shape: SparseShape, seed: int = 0, xp=None) -> SparseBenchInputs:
+    """Random sparse-decoding inputs on the GPU (``xp=numpy``: on the host, for tests)."""
+    if xp is None:
+        import cupy as xp
+
+    bf16 = baselines.bfloat16_dtype()
+    gen = xp.random.default_rng(seed)
+    b, s_q, h_q, s_k, d = shape.batch, shape.s_q, shape.h_q, shape.s_k, shape.d
+
+    q = xp.empty((b, s_q, h_q, d), dtype=bf16)
+    _store(q, gen.standard_normal(q.shape, dtype=np.float32), bf16, xp)
+
+    k_cache = xp.empty((shape.num_blocks, PAGE_BLOCK, 1, FP8_TOKEN_BYTES), dtype=np.uint8)
+    tokens = k_cache.reshape(-1, FP8_TOKEN_BYTES)
+    step = max(1, STAGING_BYTES // (d * 4))
+    for lo in range(0, tokens.shape[0], step):
+        hi = min(tokens.shape[0], lo + step)
+        rows = baselines.from_float32(gen.standard_normal((hi - lo, d), dtype=np.float32), bf16)
+        tokens[lo:hi] = quant.quantize_fp8_sparse(rows)
+        del rows
+
+    offsets = _distinct_tokens(gen, b * s_q, s_k, shape.topk, xp).reshape(b, s_q, shape.topk)
+    indices = offsets + (xp.arange(b, dtype=np.int32) * s_k).reshape(b, 1, 1)
+    attn_sink = gen.standard_normal((h_q,), dtype=np.float32)
+    return SparseBenchInputs(shape, q, k_cache, indices, attn_sink, xp.full((b,), s_k, dtype=np.int32),
+                             int(xp.unique(indices).size))
 
 
 @dataclass

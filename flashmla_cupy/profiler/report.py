@@ -20,7 +20,7 @@ SEED_COLUMNS = ["name", "batch", "seqlen", "head", "bw"]
 CSV_COLUMNS = SEED_COLUMNS + [
     # shape
     "mean_seqlen", "seqlen_mean", "total_seqlen", "max_seqlen", "h_q", "h_kv", "s_q", "varlen",
-    "causal", "dtype", "d", "dv", "heads", "head_dim",
+    "causal", "dtype", "d", "dv", "s_k", "topk", "heads", "head_dim",
     # time (ms)
     "ms_median", "ms_p10", "ms_p90", "ms_q1", "ms_q3", "ms_mean", "ms_std", "ms_min", "ms_max", "n_runs",
     # rates and roofs
@@ -35,6 +35,19 @@ CSV_COLUMNS = SEED_COLUMNS + [
 PLOT_MISSING = ("--plot needs matplotlib, which is not installed: "
                 "pip install 'flashmla-cupy[plot]' (or pip install matplotlib)")
 
+OUT_AND_LSE_KINDS = ("mla", "sparse")     # their targets return (out, lse): both are checked
+
+FORMULAS = {
+    "mla": "FLOPs = 2·s_q·Σseqlen·h_q·(576+512); "
+           "bytes = 2·(Σseqlen·h_kv·576 + b·s_q·h_q·576 + b·s_q·h_q·512); "
+           "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling",
+    "sparse": "upstream FlashMLA's tests/lib.py: FLOPs = 2·h_q·(b·s_q·topk)·(576+512); "
+              "bytes = 2·b·s_q·h_q·(576+512) (q, out) + 656·distinct cache tokens the indices name; "
+              "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling",
+    "attention": "FLOPs = 4·B·H·N²·d (halved if causal); bytes = 4·(4·B·H·N·d), float32; "
+                 "bound: larger of bytes/copy-ceiling and FLOPs/fp32-matmul-ceiling",
+}
+
 
 # --------------------------------------------------------------------------------------------
 # Formatting helpers (pure)
@@ -48,6 +61,10 @@ def fmt_ms(x) -> str:
     if not _num(x):
         return "–"
     return f"{x:.3f}" if x < 100 else f"{x:.1f}"
+
+
+def fmt_us(ms) -> str:
+    return f"{1e3 * ms:.1f}" if _num(ms) else "–"
 
 
 def fmt_pct(x) -> str:
@@ -116,7 +133,7 @@ def header_lines(env: dict, method: dict | None, *, kind: str, seed: int | None,
                              f"NVRTC {v.get('nvrtc')} · CUDA driver {drv} · runtime {v.get('cuda_runtime')} · "
                              f"cuda-bindings {v.get('cuda-bindings')} · CUTLASS {v.get('cutlass')}"))
     if method:
-        timed = method["timed"] + (f" · PDL {env.get('pdl', '?')}" if kind == "mla" else "")
+        timed = method["timed"] + (f" · PDL {env.get('pdl', '?')}" if kind != "attention" else "")
         rows.append(("Timed", timed))
         if method.get("baseline"):
             rows.append(("Baseline", method["baseline"]))
@@ -129,15 +146,13 @@ def header_lines(env: dict, method: dict | None, *, kind: str, seed: int | None,
             rows.append(("Seed", f"{seed} (cache lengths: random.Random({seed}).normalvariate(mean, mean/2), "
                                  f"at least s_q, in grid order, as the seed's test; data: CuPy RNG seeded "
                                  f"{seed} + shape index)"))
+        elif kind == "sparse":
+            rows.append(("Seed", f"{seed} (data: CuPy RNG seeded {seed} + shape index: q, the cache (standard "
+                                 f"normal, then quantized), indices (per query token, distinct tokens of its "
+                                 f"request's own s_k), attention sink)"))
         else:
             rows.append(("Seed", f"{seed} (data: CuPy RNG seeded {seed} + shape index, standard normal)"))
-    if kind == "mla":
-        rows.append(("Formulas", "FLOPs = 2·s_q·Σseqlen·h_q·(576+512); "
-                                 "bytes = 2·(Σseqlen·h_kv·576 + b·s_q·h_q·576 + b·s_q·h_q·512); "
-                                 "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling"))
-    else:
-        rows.append(("Formulas", "FLOPs = 4·B·H·N²·d (halved if causal); bytes = 4·(4·B·H·N·d), float32; "
-                                 "bound: larger of bytes/copy-ceiling and FLOPs/fp32-matmul-ceiling"))
+    rows.append(("Formulas", FORMULAS[kind]))
     return rows
 
 
@@ -159,6 +174,14 @@ def _shape_columns(kind: str) -> list[tuple[str, callable]]:
             ("s_k", lambda r: f"{r['mean_seqlen']}" + ("~" if r.get("varlen") else "")),
             ("h_q", lambda r: str(r["h_q"])),
             ("s_q", lambda r: str(r["s_q"])),
+        ]
+    if kind == "sparse":
+        return [
+            ("b", lambda r: str(r["batch"])),
+            ("h_q", lambda r: str(r["h_q"])),
+            ("s_q", lambda r: str(r["s_q"])),
+            ("s_k", lambda r: str(r["s_k"])),
+            ("topk", lambda r: str(r["topk"])),
         ]
     return [
         ("B", lambda r: str(r["batch"])),
@@ -193,15 +216,17 @@ def fmt_spread(rec: dict) -> str:
 def results_table(records: list[dict], *, kind: str, main: str, others: list[str], check: bool = False,
                   title: str | None = None):
     """One row per shape: the main target's numbers, then each other target's time and speed-up.
+    Times in ms; sparse ones in µs, as its FlashMLA anchors are.
 
     Returns ``(table, error lines)``. ``check`` is accepted for symmetry; the errors against the
     reference have their own table (``check_table``).
     """
+    unit, fmt_time = ("µs", fmt_us) if kind == "sparse" else ("ms", fmt_ms)
     t = _table(title)
     shape_cols = _shape_columns(kind)
     for name, _ in shape_cols:
         t.add_column(name, justify="right", no_wrap=True)
-    t.add_column(f"{main}\nms", justify="right", style="bold", no_wrap=True)
+    t.add_column(f"{main}\n{unit}", justify="right", style="bold", no_wrap=True)
     t.add_column("p10–p90\n±", justify="right", style="dim", no_wrap=True)
     t.add_column("TFLOP/s", justify="right", no_wrap=True)
     t.add_column("GB/s", justify="right", no_wrap=True)
@@ -209,7 +234,7 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
     t.add_column("% of\nmatmul", justify="right", no_wrap=True)
     t.add_column("bound\n(% of roof)", no_wrap=True)
     for o in others:
-        t.add_column(f"{o}\nms", justify="right", no_wrap=True)
+        t.add_column(f"{o}\n{unit}", justify="right", no_wrap=True)
         t.add_column("speed\nup", justify="right", no_wrap=True)
     errors = []
     for group in group_by_shape(records):
@@ -221,7 +246,7 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
             errors.append(f"{main} at {where}: {m.get('error', 'not run')}")
             cells += ["[red]error[/]", "", "", "", "", "", ""]
         else:
-            cells += [fmt_ms(m["ms_median"]), fmt_spread(m), f"{m['tflops']:.0f}", f"{m['gbps']:.0f}",
+            cells += [fmt_time(m["ms_median"]), fmt_spread(m), f"{m['tflops']:.0f}", f"{m['gbps']:.0f}",
                       fmt_pct(m.get("frac_copy_bw")), fmt_pct(m.get("frac_matmul")), bound_cell(m)]
         for o in others:
             r = group.get(o, {})
@@ -230,7 +255,7 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
                 cells += ["[red]error[/]", ""]
             else:
                 sp = m.get("speedup") if m.get("speedup_vs") == o else None
-                cells += [fmt_ms(r.get("ms_median")), f"{sp:.1f}×" if _num(sp) else "–"]
+                cells += [fmt_time(r.get("ms_median")), f"{sp:.1f}×" if _num(sp) else "–"]
         t.add_row(*cells)
     return t, errors
 
@@ -239,7 +264,8 @@ def check_table(records: list[dict], *, kind: str, targets: list[str], title: st
     """--check: per shape and target, cos_diff and max |error| against the float64 reference."""
     from .runner import ATTENTION_MAX_ABS_LIMIT, COS_DIFF_LIMIT
 
-    limit = (f"pass: cos_diff < {COS_DIFF_LIMIT:g} for out and lse" if kind == "mla"
+    with_lse = kind in OUT_AND_LSE_KINDS
+    limit = (f"pass: cos_diff < {COS_DIFF_LIMIT:g} for out and lse" if with_lse
              else f"pass: max |error| < {ATTENTION_MAX_ABS_LIMIT:g}")
     t = _table(title or f"error against the float64 reference ({limit})")
     shape_cols = _shape_columns(kind)
@@ -248,7 +274,7 @@ def check_table(records: list[dict], *, kind: str, targets: list[str], title: st
     for name in targets:
         t.add_column(f"{name}\ncos_diff", justify="right", no_wrap=True)
         t.add_column("max |Δ|", justify="right", no_wrap=True)
-        if kind == "mla":
+        if with_lse:
             t.add_column("lse\ncos_diff", justify="right", no_wrap=True)
             t.add_column("lse\nmax |Δ|", justify="right", no_wrap=True)
     for group in group_by_shape(records):
@@ -259,7 +285,7 @@ def check_table(records: list[dict], *, kind: str, targets: list[str], title: st
             ok = r.get("check_ok")
             style = "" if ok is None else ("green" if ok else "red")
             vals = [r.get("cos_diff_out"), r.get("max_abs_out")]
-            if kind == "mla":
+            if with_lse:
                 vals += [r.get("cos_diff_lse"), r.get("max_abs_lse")]
             cells += [f"[{style}]{fmt_sci(v)}[/]" if style else fmt_sci(v) for v in vals]
         t.add_row(*cells)

@@ -2,7 +2,8 @@
 
 Results are flat records (dicts; one per shape and target) that ``report`` turns into the table,
 CSV, JSON and plot. A failing target records its one-line error and the loop goes on; Ctrl-C stops
-the loop and keeps what was measured.
+the loop and keeps what was measured. A workload with anchors (``anchors``: FlashMLA's times from
+another run) adds a record for them after the measured ones, as its baseline.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Callable
 
 import numpy as np
 
+from . import anchors
 from . import ceilings as ceil_mod
 from . import shapes as shp
 from .env import NoGPU, _first_line
-from .targets import ATTENTION_TARGETS, MLA_TARGETS, Target
+from .targets import ATTENTION_TARGETS, MLA_TARGETS, SPARSE_TARGETS, TARGETS, Target
 from .timing import L2Flush, describe_flush, flush_bytes, summarize, time_cuda
 
 # --check passes under these (FlashMLA's test requires cos_diff < 1e-5 for out and lse).
@@ -37,9 +39,9 @@ class RunConfig:
     seed: int = 0
     device: int = 0
     measure_ceilings: bool = True
-    matmul_dtype: str = "bf16"          # the matmul ceiling's dtype: bf16 (MLA) or fp32 (attention)
+    matmul_dtype: str = "bf16"          # the matmul ceiling's dtype: bf16 (MLA, sparse) or fp32 (attention)
     inputs: str = "cupy"                # MLA: the main target's arrays, cupy or torch (targets.MAIN_MLA_TARGETS)
-    value_checks: str | None = None     # MLA: value check mode during the run (None: the library's current one)
+    value_checks: str | None = None     # MLA, sparse: value check mode during the run (None: the library's current one)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +49,7 @@ class RunConfig:
 
 @dataclass
 class RunResult:
-    kind: str                               # "mla" or "attention"
+    kind: str                               # "mla", "sparse" or "attention"
     records: list[dict]
     ceilings: ceil_mod.Ceilings
     method: dict
@@ -71,9 +73,10 @@ def value_check_mode(config: RunConfig) -> str:
 
 
 def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
-    if kind == "mla":
+    if kind != "attention":
         mode = value_check_mode(config)
-        what = (f"default call: value checks in their current mode ({mode}"
+        call = "default call" if kind == "mla" else "default call with indices (FP8 cache, attention sink)"
+        what = (f"{call}: value checks in their current mode ({mode}"
                 + (", not synchronizing inside the graph" if mode == "sync" and config.graph else "")
                 + f"), on {INPUTS_TEXT.get(config.inputs, config.inputs)}, outputs allocated by the call: "
                   "split-KV + combine kernels; metadata computed once beforehand")
@@ -82,9 +85,9 @@ def method_description(config: RunConfig, l2_bytes: int, kind: str) -> dict:
     timing = ("CUDA events around each replay of a CUDA graph captured from one call"
               if config.graph else "CUDA events around each call, runs enqueued back to back")
     cache = describe_flush(config.flush, flush_bytes(l2_bytes))
-    table = MLA_TARGETS if kind == "mla" else ATTENTION_TARGETS
+    table = TARGETS[kind]
     extra = {}
-    if kind == "mla":
+    if kind != "attention":
         extra = {"inputs": config.inputs, "value_checks": value_check_mode(config)}
     if config.baseline and config.baseline in table:
         extra["baseline"] = (f"{config.baseline}: {table[config.baseline].description}; "
@@ -153,22 +156,24 @@ def require_device(config: RunConfig, need_hopper: bool) -> dict:
         raise NoGPU(f"device {config.device} does not exist ({n} CUDA device(s))")
     info = device_info(config.device)
     if need_hopper and not info["compute_capability"].startswith("9."):
-        raise NoGPU(f"the MLA kernels need a Hopper GPU (sm_90); device {config.device} is "
+        raise NoGPU(f"the MLA kernels (dense and sparse) need a Hopper GPU (sm_90); device {config.device} is "
                     f"{info['name']} (sm_{info['compute_capability'].replace('.', '')})")
     return info
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What differs between the MLA grid and the attention sweep; ``run`` does the rest."""
+    """What differs between the MLA grid, the sparse rows and the attention sweep; ``run`` does the rest."""
     kind: str
     table: dict[str, Target]
     make_inputs: Callable            # (shape, seed) -> inputs
     reference: Callable              # inputs -> float64 reference (for --check)
     compare: Callable                # (target result, reference) -> error fields
     flops: Callable                  # shape -> FLOPs
-    nbytes: Callable                 # shape -> bytes
+    nbytes: Callable                 # inputs -> bytes (sparse counts the tokens its drawn indices name)
     fields: Callable                 # shape -> the record's shape fields (seed columns first)
+    anchor_ms: Callable | None = None    # (shape, GPU name) -> FlashMLA's ms from another run, or None
+    ceiling_notes: tuple[str, ...] = ()  # lines said with the ceilings (e.g. why one is not measured)
 
 
 def _mla_reference(inp):
@@ -189,6 +194,15 @@ def _mla_fields(shape: shp.MLAShape) -> dict:
     return {"batch": shape.batch, "seqlen": round(shape.seqlen_mean), "head": shape.h_q, **shape.as_dict()}
 
 
+def _sparse_reference(inp):
+    from .. import reference
+    return reference.mla_decode_sparse(inp.q, inp.k_cache, inp.indices, attn_sink=inp.attn_sink)
+
+
+def _sparse_fields(shape: shp.SparseShape) -> dict:
+    return {"batch": shape.batch, "seqlen": shape.s_k, "head": shape.h_q, **shape.as_dict()}
+
+
 def _attention_compare(result, ref) -> dict:
     out = result[0] if isinstance(result, tuple) else result
     e = _errors(out, ref)
@@ -203,13 +217,28 @@ def _attention_fields(shape: shp.AttentionShape) -> dict:
 def mla_workload() -> Workload:
     from .inputs import make_mla_inputs
     return Workload("mla", MLA_TARGETS, make_mla_inputs, _mla_reference, _mla_compare,
-                    shp.mla_flops, shp.mla_bytes, _mla_fields)
+                    shp.mla_flops, lambda inp: shp.mla_bytes(inp.shape), _mla_fields)
+
+
+def sparse_workload() -> Workload:
+    """The sparse rows: the same out/lse comparison as MLA's, FlashMLA's anchors as the baseline."""
+    from .inputs import make_sparse_inputs
+    return Workload("sparse", SPARSE_TARGETS, make_sparse_inputs, _sparse_reference, _mla_compare,
+                    shp.sparse_flops, lambda inp: shp.sparse_bytes(inp.shape, inp.retrieved_tokens),
+                    _sparse_fields, anchor_ms=anchors.flash_mla_sparse_ms,
+                    ceiling_notes=(ceil_mod.NO_FP8_MATMUL,))
 
 
 def attention_workload() -> Workload:
     from .inputs import make_attention_inputs
     return Workload("attention", ATTENTION_TARGETS, make_attention_inputs, _attention_reference,
-                    _attention_compare, shp.attention_flops, shp.attention_bytes, _attention_fields)
+                    _attention_compare, shp.attention_flops, lambda inp: shp.attention_bytes(inp.shape),
+                    _attention_fields)
+
+
+def workload(kind: str) -> Workload:
+    """The workload of a profile kind: "mla", "sparse" or "attention"."""
+    return {"mla": mla_workload, "sparse": sparse_workload, "attention": attention_workload}[kind]()
 
 
 class CudaSession:
@@ -287,22 +316,23 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
     with _value_checks(config), (session or CudaSession(config, gpu)) as dev:
         on_progress("measuring the ceilings (copy bandwidth, matmul)")
         c = dev.ceilings()
+        c.notes.extend(work.ceiling_notes)
         method = method_description(config, gpu.get("l2_bytes", 0), work.kind)
         try:
             for i, shape in enumerate(shape_list):
                 on_progress(f"{shape.label()}: inputs")
-                flops, nbytes = work.flops(shape), work.nbytes(shape)
+                flops = work.flops(shape)
                 try:
                     inp = work.make_inputs(shape, seed=config.seed + i)
                 except Exception as e:  # noqa: BLE001 - out of memory, most likely: next shape
                     on_note(f"{shape.label()}: inputs failed: {_first_line(e)}")
                     for t in targets:
                         records.append({"name": t.name, **work.fields(shape), "shape_index": i, "flops": flops,
-                                        "bytes": nbytes, "graph": config.graph,
-                                        "error": f"inputs: {_first_line(e)}"})
+                                        "graph": config.graph, "error": f"inputs: {_first_line(e)}"})
                         on_record(records[-1])
                     dev.free()
                     continue
+                nbytes = work.nbytes(inp)
                 ref = None
                 if config.check:
                     on_progress(f"{shape.label()}: float64 reference")
@@ -315,11 +345,16 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
                     records.append(_measure_target(t, inp, ref, work, dev, c, config, i, shape,
                                                    flops, nbytes, on_note))
                     on_record(records[-1])
+                anchor_ms = work.anchor_ms(shape, gpu.get("name", "")) if work.anchor_ms else None
+                if anchor_ms is not None:
+                    records.append({"name": anchors.TARGET, **work.fields(shape), "shape_index": i, "flops": flops,
+                                    "bytes": nbytes, "ms_median": anchor_ms, "notes": anchors.NOTE,
+                                    **_rate_fields(anchor_ms, flops, nbytes, c)})
                 del inp, ref
                 dev.free()
         except KeyboardInterrupt:
             interrupted = True
-    _add_speedups(records, config.targets[0], config.baseline)
+    _add_speedups(records, config.targets[0], config.baseline or (anchors.TARGET if work.anchor_ms else None))
     return RunResult(work.kind, records, c, method, interrupted, skipped)
 
 

@@ -13,11 +13,25 @@ FLOPs and bytes use the seed benchmark's formulas:
     bytes = elem · (Σseqlen · h_kv · d + b · s_q · h_q · d + b · s_q · h_q · dv)
 
 (the KV cache read once, q read once, the output written once; elem = 2 for bf16/fp16).
+
+Sparse decoding (DeepSeek-V3.2) is a list of production rows, each ``(b, h_q, s_q, s_k, topk)``:
+request i owns ``s_k`` tokens of an FP8 cache (656 bytes a token) and each of its query tokens
+attends to ``topk`` distinct ones. FLOPs and bytes follow upstream FlashMLA's
+``tests/lib.py`` (``count_flop_and_mem_vol_for_decode``):
+
+    FLOPs = 2 · h_q · (b · s_q · topk) · (d + dv)
+    bytes = 2 · b · s_q · h_q · (d + dv) + 656 · retrieved
+
+(q read and out written in bf16; ``retrieved`` = the distinct cache tokens the indices name, each
+read once: a count on the drawn indices, so the bytes come from the inputs, not the shape alone).
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
+
+from ..constants import FP8_TOKEN_BYTES
 
 HEAD_DIM_K = 576
 HEAD_DIM_V = 512
@@ -41,6 +55,22 @@ QUICK_KEYS = (
     (128, 8192, 64, 2, True),      # varlen, MTP 2
     (128, 16384, 128, 2, False),   # compute-bound corner
 )
+
+# DeepSeek-V3.2's production grid for sparse decoding, the rows of FlashMLA's H200 anchor run
+# (anchors.py): upstream's (9241ae3) "V3.2" performance cases (b 2, 64, 74, 128), b 128 at h_q 64
+# and at s_q 1, and upstream's two peak cases at d_qk 576 (b 148, topk 16384).
+SPARSE_PRODUCTION_GRID = (
+    # (batch, h_q, s_q, s_k, topk)
+    (2, 128, 2, 32768, 2048),
+    (64, 128, 2, 32768, 2048),
+    (74, 128, 2, 32768, 2048),
+    (128, 128, 2, 32768, 2048),
+    (128, 64, 2, 32768, 2048),
+    (128, 128, 1, 32768, 2048),
+    (148, 64, 2, 32768, 16384),
+    (148, 128, 2, 32768, 16384),
+)
+SPARSE_QUICK_ROWS = 2          # --quick: the first rows (seconds, not minutes)
 
 # Attention (seed 000): flash_attn_minimal vs manual attention on float32 [B, H, N, d].
 ATTENTION_SEED_SHAPE = (16, 12, 64, 64)
@@ -146,6 +176,72 @@ def mla_bytes(shape: MLAShape) -> int:
     b, s_q, h_q = shape.batch, shape.s_q, shape.h_q
     return element_bytes(shape.dtype) * (shape.total_seqlen * shape.h_kv * shape.d
                                          + b * s_q * h_q * shape.d + b * s_q * h_q * shape.dv)
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse decoding (DeepSeek-V3.2, FP8 cache)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SparseShape:
+    """``batch`` requests of ``s_q`` query tokens; request i owns cache tokens
+    ``[i · s_k, (i + 1) · s_k)`` and each of its query tokens attends to ``topk`` distinct ones."""
+    batch: int
+    h_q: int
+    s_q: int
+    s_k: int
+    topk: int
+    d: int = HEAD_DIM_K
+    dv: int = HEAD_DIM_V
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages of the FP8 cache: every request's ``s_k`` tokens, end to end."""
+        return -(-self.batch * self.s_k // PAGE_BLOCK)
+
+    @property
+    def attended_tokens(self) -> int:
+        """(query token, cache token) pairs: every index is valid."""
+        return self.batch * self.s_q * self.topk
+
+    @property
+    def key(self) -> tuple:
+        return (self.batch, self.h_q, self.s_q, self.s_k, self.topk)
+
+    def label(self) -> str:
+        return f"b={self.batch} h_q={self.h_q} s_q={self.s_q} s_k={self.s_k} topk={self.topk}"
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "h_q": self.h_q, "s_q": self.s_q, "s_k": self.s_k, "topk": self.topk,
+                "d": self.d, "dv": self.dv}
+
+
+def sparse_grid(batches=(), heads=(), s_qs=(), s_ks=(), topks=(), *, quick: bool = False) -> list[SparseShape]:
+    """The production rows (``quick``: the first ``SPARSE_QUICK_ROWS``); a non-empty list replaces
+    that column in every row (one row per value; duplicates dropped, order kept)."""
+    rows = SPARSE_PRODUCTION_GRID[:SPARSE_QUICK_ROWS] if quick else SPARSE_PRODUCTION_GRID
+    keys = {}
+    for b, h_q, s_q, s_k, topk in rows:
+        for key in itertools.product(batches or (b,), heads or (h_q,), s_qs or (s_q,), s_ks or (s_k,),
+                                     topks or (topk,)):
+            keys[key] = None
+    grid = [SparseShape(*key) for key in keys]
+    for s in grid:
+        if s.topk > s.s_k:
+            raise ValueError(f"topk={s.topk} is more than s_k={s.s_k}: a query token's indices are distinct "
+                             f"tokens of its request's s_k")
+    return grid
+
+
+def sparse_flops(shape: SparseShape) -> int:
+    """2 · h_q · (b · s_q · topk) · (d + dv): Q·Kᵀ and P·V over every attended token (upstream's count)."""
+    return 2 * shape.h_q * shape.attended_tokens * (shape.d + shape.dv)
+
+
+def sparse_bytes(shape: SparseShape, retrieved_tokens: int) -> int:
+    """2 · b · s_q · h_q · (d + dv) + 656 · retrieved_tokens: q and out in bf16, and each distinct
+    cache token the indices name read once (upstream's count)."""
+    return 2 * shape.batch * shape.s_q * shape.h_q * (shape.d + shape.dv) + FP8_TOKEN_BYTES * retrieved_tokens
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,16 +2,19 @@
 
 ``setup`` does everything that belongs outside the timed region (scheduler metadata, plans, one
 validating call whose result feeds ``--check``) and returns ``Prepared.run``, the zero-argument
-callable that is timed. A new implementation plugs in by adding a ``Target`` to ``MLA_TARGETS`` or
-``ATTENTION_TARGETS``; ``requires`` says (one line) why it cannot run here, or ``None``.
+callable that is timed. A new implementation plugs in by adding a ``Target`` to ``MLA_TARGETS``,
+``SPARSE_TARGETS`` or ``ATTENTION_TARGETS``; ``requires`` says (one line) why it cannot run here, or
+``None``.
 
-MLA targets take ``inputs.MLABenchInputs`` and return ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``;
-attention targets take ``inputs.AttentionInputs`` and return ``out [B, H, N, d]``.
+MLA targets take ``inputs.MLABenchInputs`` (sparse ones ``inputs.SparseBenchInputs``) and return
+``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``; attention targets take ``inputs.AttentionInputs``
+and return ``out [B, H, N, d]``.
 
 The MLA targets: ``flashmla`` (the default call on CuPy arrays), ``flashmla_torch`` (the torch
 drop-in ``flashmla_cupy.flash_mla`` on torch tensors, ``--inputs torch``), ``flash_mla`` (FlashMLA's
 own module, ``--baseline flash_mla``) and ``cupy`` (the plain CuPy baseline). The torch targets view
 the same CuPy buffers through DLPack and are timed on the profiler's stream (``Prepared.on_stream``).
+The sparse target: ``flashmla`` again, the call with ``indices`` over the FP8 cache.
 """
 from __future__ import annotations
 
@@ -239,6 +242,34 @@ MAIN_MLA_TARGETS = {"cupy": "flashmla", "torch": "flashmla_torch"}     # the tim
 
 
 # --------------------------------------------------------------------------------------------
+# Sparse decoding (DeepSeek-V3.2, FP8 cache)
+# --------------------------------------------------------------------------------------------
+
+def setup_flashmla_sparse(inp) -> Prepared:
+    """The sparse call users make: metadata scheduled for ``topk`` tokens per query token, then
+    default arguments with the indices and the attention sink."""
+    from .. import mla
+
+    s = inp.shape
+    meta, splits = mla.get_mla_metadata(inp.cache_seqlens, s.s_q * s.h_q, 1, s.h_q, True, s.topk)
+
+    def run():
+        return mla.flash_mla_with_kvcache(inp.q, inp.k_cache, None, None, s.dv, meta, splits, None,
+                                          is_fp8_kvcache=True, indices=inp.indices, attn_sink=inp.attn_sink)
+
+    return Prepared(run, run())
+
+
+SPARSE_TARGETS: dict[str, Target] = {
+    "flashmla": Target("flashmla", "flashmla_cupy.flash_mla_with_kvcache with indices (FP8 cache, attention sink) "
+                                   "as users call it: CuPy arrays, outputs allocated by the call, value checks in "
+                                   "their current mode; split-KV + combine kernels (PDL); metadata computed once "
+                                   "beforehand", setup_flashmla_sparse, _requires_flashmla),
+}
+MAIN_SPARSE_TARGET = "flashmla"
+
+
+# --------------------------------------------------------------------------------------------
 # Attention (seed 000)
 # --------------------------------------------------------------------------------------------
 
@@ -284,3 +315,5 @@ ATTENTION_TARGETS: dict[str, Target] = {
 }
 MAIN_ATTENTION_TARGET = "flash_attn_minimal"
 ATTENTION_BASELINE = "manual"
+
+TARGETS = {"mla": MLA_TARGETS, "sparse": SPARSE_TARGETS, "attention": ATTENTION_TARGETS}     # by profile kind
