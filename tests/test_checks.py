@@ -614,3 +614,66 @@ def test_gpu_rejects_and_writes_nothing(case):
     check_message(case, e.value, arrays.sm_count)
     cupy.cuda.Device().synchronize()
     assert _bits(args) == before
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse decoding (indices over DeepSeek-V3.2's FP8 cache): bad arguments, before any launch
+# --------------------------------------------------------------------------------------------
+
+SPARSE_S_Q, SPARSE_TOPK = 2, 128
+
+
+def sparse_args(arrays, **change) -> dict:
+    """A valid sparse call on fake arrays; ``change`` replaces arguments (callables get the
+    arrays)."""
+    parts = scheduler.num_sm_parts(arrays.sm_count, H_Q, 1)
+    args = dict(q=arrays.empty((B, SPARSE_S_Q, H_Q, 576), BF16),
+                k_cache=arrays.empty((NUM_BLOCKS, 64, 1, 656), np.uint8),
+                block_table=None, cache_seqlens=None, head_dim_v=512,
+                tile_scheduler_metadata=arrays.empty((parts, scheduler.SCHED_META_INTS), I32),
+                num_splits=arrays.empty((B * SPARSE_S_Q + 1,), I32), is_fp8_kvcache=True,
+                indices=arrays.empty((B, SPARSE_S_Q, SPARSE_TOPK), I32),
+                attn_sink=arrays.empty((H_Q,), F32), topk_length=arrays.empty((B,), I32))
+    args.update({k: v(arrays) if callable(v) else v for k, v in change.items()})
+    return args
+
+
+SPARSE_CASES = [  # (id, change, error, message)
+    ("cache-width", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 576), np.uint8)), ValueError,
+     r"k_cache must be \[num_blocks, page_block_size, 1, 656\] \(one KV head, 656 bytes per token\)"),
+    ("cache-dtype", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 656), F16)), TypeError,
+     r"k_cache must hold the FP8 cache's bytes \(uint8, int8 or float8_e4m3fn\); got float16"),
+    ("cache-h_kv", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 2, 656), np.uint8)), ValueError,
+     r"k_cache must be \[num_blocks, page_block_size, 1, 656\]"),
+    ("q-dtype", dict(q=lambda a: a.empty((B, SPARSE_S_Q, H_Q, 576), F16)), TypeError, r"^q must have dtype bfloat16; got float16"),
+    ("indices-shape", dict(indices=lambda a: a.empty((B, 1, SPARSE_TOPK), I32)), ValueError,
+     rf"indices must have shape \({B}, {SPARSE_S_Q}, topk\)"),
+    ("indices-dtype", dict(indices=lambda a: a.empty((B, SPARSE_S_Q, SPARSE_TOPK), I64)), TypeError,
+     r"^indices must have dtype int32; got int64"),
+    ("causal", dict(causal=True), ValueError, r"causal must be False with indices"),
+    ("not-fp8", dict(is_fp8_kvcache=False), ValueError, r"indices \(sparse decoding\) needs the FP8 cache"),
+    ("topk_length-shape", dict(topk_length=lambda a: a.empty((B + 1,), I32)), ValueError,
+     rf"topk_length must have shape \({B},\)"),
+    ("attn_sink-dtype", dict(attn_sink=lambda a: a.empty((H_Q,), F16)), TypeError, r"^attn_sink must have dtype float32; got float16"),
+    ("num_splits-per-request", dict(num_splits=lambda a: a.empty((B + 1,), I32)), ValueError,
+     rf"num_splits must be int32 \({B * SPARSE_S_Q + 1},\)"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", [c[1:] for c in SPARSE_CASES], ids=[c[0] for c in SPARSE_CASES])
+def test_sparse_call_rejects(change, error, message, fake_gpu):
+    with pytest.raises(error, match=message):
+        mla.flash_mla_with_kvcache(**sparse_args(fake_gpu.arrays, **change))
+    assert fake_gpu.launches == []
+
+
+def test_sparse_valid_arguments_pass_every_check(fake_gpu):
+    # SPARSE_CASES differ from these arguments in one argument only.
+    from flashmla_cupy import sparse
+
+    args = sparse_args(fake_gpu.arrays)
+    inputs, _ = sparse.sparse_inputs(args["q"], args["k_cache"], 512, args["tile_scheduler_metadata"],
+                                     args["num_splits"], None, False, True, args["indices"], args["attn_sink"],
+                                     args["topk_length"])
+    assert (inputs.batch, inputs.s_q, inputs.h_q, inputs.topk, inputs.requests) == (B, SPARSE_S_Q, H_Q, SPARSE_TOPK,
+                                                                                     B * SPARSE_S_Q)
