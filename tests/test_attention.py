@@ -22,6 +22,7 @@ import cupy
 import numpy as np
 import pytest
 
+from conftest import nvrtc_skip_reason
 from fake_arrays import HostCudaArrayInterface, HostDLPack, fake_array
 from flashmla_cupy import attention, checks, compiler
 from test_params import parse_structs
@@ -157,19 +158,7 @@ def test_params_struct_matches_device_header():
         assert host_type is expected, f"{name}: {ctype} on the device, {host_type} on the host"
 
 
-def _nvrtc_reason() -> str | None:
-    try:
-        compiler._nvrtc().getVersion()
-        compiler.include_dirs()
-    except Exception as e:  # noqa: BLE001 -- any failure means: cannot compile here
-        return f"NVRTC or headers unavailable: {type(e).__name__}: {e}"
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=_nvrtc_reason() or "")
-
-
-@needs_nvrtc
+@pytest.mark.nvrtc
 def test_compiles_for_hopper_without_spills():
     cubin = compiler.compile_program(attention.PROGRAM, "sm_90a")
     print(f"\nflash_attn_minimal, sm_90a, {cubin.compile_seconds:.1f} s:")
@@ -183,13 +172,13 @@ def test_compiles_for_hopper_without_spills():
 
 
 def _supported_archs() -> list[str]:
-    if _nvrtc_reason() is not None:
+    if nvrtc_skip_reason() is not None:        # parametrized at collection: the marker acts later
         return []
     archs = compiler._nvrtc().getSupportedArchs()
     return [f"sm_{min(archs)}", "sm_80", f"sm_{max(archs)}"]
 
 
-@needs_nvrtc
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", _supported_archs())
 def test_compiles_for_other_archs(arch):
     # Plain CUDA: whatever GPU CuPy runs on, driver.device_arch's target must compile.
