@@ -59,17 +59,20 @@ class Kernel:
                 self._smem_limit = smem
 
     def prepare(self, grid: tuple[int, int, int], block: tuple[int, int, int], params_type,
-                smem: int = 0, stream: int | None = None, pdl: bool = False) -> "Launch":
+                smem: int = 0, stream: int | None = None, pdl: bool = False, cluster_x: int = 1) -> "Launch":
         """A reusable launch of this kernel with a parameter struct of ``params_type`` (a ctypes
         struct type, or a size in bytes for an opaque parameter).
 
         ``stream`` defaults to CuPy's current stream; ``pdl`` lets the kernel start while the
-        previous one in the stream finishes (the kernel must wait with griddepcontrol.wait).
+        previous one in the stream finishes (the kernel must wait with griddepcontrol.wait);
+        ``cluster_x`` > 1 groups that many consecutive CTAs along x into a cluster.
         """
+        if grid[0] % cluster_x:
+            raise ValueError(f"grid x ({grid[0]}) must be a multiple of the cluster size ({cluster_x})")
         self._ensure_smem(smem)
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
-        return Launch(self, grid, block, smem, stream, pdl, params_type)
+        return Launch(self, grid, block, smem, stream, pdl, params_type, cluster_x)
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int],
                params: ctypes.Structure | bytes, smem: int = 0, stream: int | None = None,
@@ -107,10 +110,12 @@ def _cu_launch_kernel_ex():
 
 
 class Launch:
-    """A prepared launch: grid, block, shared memory, stream and PDL fixed; ``params`` (a ctypes
-    struct living in a buffer of the kernel parameter's device size) is updated between calls."""
+    """A prepared launch: grid, block, shared memory, stream, PDL and cluster fixed; ``params`` (a
+    ctypes struct living in a buffer of the kernel parameter's device size) is updated between
+    calls."""
 
-    def __init__(self, kernel: Kernel, grid, block, smem: int, stream: int, pdl: bool, params_type):
+    def __init__(self, kernel: Kernel, grid, block, smem: int, stream: int, pdl: bool, params_type,
+                 cluster_x: int = 1):
         self.kernel = kernel
         if isinstance(params_type, int):
             self.buffer = (ctypes.c_ubyte * params_type)()
@@ -120,13 +125,20 @@ class Launch:
             self.params = params_type.from_buffer(self.buffer)
         self.params_address = ctypes.addressof(self.buffer)
         self._argv = (ctypes.c_void_p * 1)(self.params_address)
-        self._attr = _LaunchAttribute()
-        cfg = _LaunchConfig(*grid, *block, smem, stream)
+        ids = driver().CUlaunchAttributeID
+        attrs = []
         if pdl:
-            self._attr.id = int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-            ctypes.c_int.from_buffer(self._attr.value).value = 1   # programmaticStreamSerializationAllowed
-            cfg.attrs = ctypes.pointer(self._attr)
-            cfg.numAttrs = 1
+            attrs.append((ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))  # allowed
+        if cluster_x > 1:
+            attrs.append((ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (cluster_x, 1, 1)))
+        self._attrs = (_LaunchAttribute * max(len(attrs), 1))()
+        for slot, (attr_id, values) in zip(self._attrs, attrs):
+            slot.id = int(attr_id)
+            (ctypes.c_uint * len(values)).from_buffer(slot.value)[:] = values
+        cfg = _LaunchConfig(*grid, *block, smem, stream)
+        if attrs:
+            cfg.attrs = ctypes.cast(self._attrs, ctypes.POINTER(_LaunchAttribute))
+            cfg.numAttrs = len(attrs)
         self._config = cfg
         self._launch = _cu_launch_kernel_ex()
         self._handle = int(kernel._function.ptr)

@@ -44,6 +44,45 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t phase) {
         "}\n" :: "r"(bar), "r"(phase) : "memory");
 }
 
+// --- clusters (the sparse kernel's pair of CTAs sharing dequantized pages) --------------------
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_size() {
+    uint32_t n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+
+// The shared::cluster address of the same byte in CTA `rank`'s shared memory.
+__device__ __forceinline__ uint32_t peer_address(uint32_t local, uint32_t rank) {
+    uint32_t out;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+    return out;
+}
+
+// An arrival on another CTA's mbarrier (a shared::cluster address).
+__device__ __forceinline__ void mbarrier_arrive_peer(uint32_t peer_bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(peer_bar) : "memory");
+}
+
+// 16 bytes into another CTA's shared memory; its mbarrier `peer_bar` counts them as transaction
+// bytes (the receiver announced them with expect_tx).
+__device__ __forceinline__ void store_peer_async(uint32_t peer_dst, uint4 v, uint32_t peer_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(peer_dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(peer_bar) : "memory");
+}
+
+// Every thread of every CTA of the cluster (a launch without clusters is a cluster of one CTA).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // --- named barriers among a subset of the block's warps (id 0 is __syncthreads) ---------------
 
 __device__ __forceinline__ void named_barrier_sync(int id, int num_threads) {

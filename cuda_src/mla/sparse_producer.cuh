@@ -7,14 +7,20 @@
 // 128-byte swizzle), so the consumers' WGMMAs are the dense kernel's. Skipped entries (id < 0, id
 // outside the cache, position past topk_length) get zero rows and a 0 bit in token_valid.
 //
-// Hand-off per page buffer and tile group (tiles 0-3 = V's left half, 4-8 = the rest): wait for
-// the consumers' release (bar_free, one arrival per refill), fill, then one arrival per producer
-// warp on each of the group's full barriers (bar_kv). Buffer 0 is filled left group first, buffer
-// 1 right group first: the order in which warpgroups 0 and 1 read them.
+// Pairs (FlashMLA's "crossover"): with h_q 128 the two m-block CTAs of a query token form a
+// cluster and read the same tokens. Each dequantizes half of every page (rows 32r .. 32r + 31 for
+// rank r) into its own page buffer and, by st.async, into its peer's, whose tile barriers count
+// those bytes. A CTA alone (one m-block) dequantizes both halves. Every CTA copies the RoPE tile
+// of all 64 rows itself (cp.async, no registers).
 //
-// Lanes: each warp owns 16 tokens of the page, in two rounds of 8; lane = token (lane % 8) x part
-// (lane / 8), and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one
-// warp-wide store writes 4 chunks into each of 8 swizzled rows without bank conflicts.
+// Hand-off per page buffer: the producer waits for the release by every consumer warpgroup of
+// the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on each of their full
+// barriers (bar_kv), then tiles 4-8 the same way: S = Q K^T starts on the first group while the
+// second is stored. Global loads run ahead of the stores (fill_pages).
+//
+// Lanes: for rows 32r .. 32r + 31 each warp owns 8 rows; lane = row (lane % 8) x part (lane / 8),
+// and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one warp-wide store
+// writes 4 chunks into each of 8 swizzled rows without bank conflicts.
 #pragma once
 #include <cuda/std/cstdint>
 
@@ -31,20 +37,26 @@ __device__ __forceinline__ uint4 load_token_chunk(const uint8_t* ptr) {
     return v;
 }
 
-__device__ __forceinline__ float2 load_scale_pair(const uint8_t* ptr) {
-    float2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr));
+__device__ __forceinline__ float4 load_token_scales(const uint8_t* ptr) {
+    float4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
     return v;
 }
 
 // 16 bytes global -> shared without registers; `valid` false writes zeros and reads nothing.
-__device__ __forceinline__ void copy_chunk_async(void* dst, const uint8_t* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+__device__ __forceinline__ void copy_chunk_async(uint32_t dst, const uint8_t* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+__device__ __forceinline__ void store_shared(uint32_t dst, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
 }
 
 // Two e4m3 values (a 16-bit word) -> fp16x2, times `scale2` (fp16x2).
@@ -61,107 +73,183 @@ __device__ __forceinline__ uint32_t fp16x2_splat(float x) {
     return out;
 }
 
+// What one lane loads of its token for a half page: NoPE chunks part + 4t (t = the V tile) and
+// the four scales.
+struct TokenLoads {
+    uint4 nope[kTilesV];
+    float4 scales;
+};
+
 template <typename T>
 struct SparseProducer {
+    static constexpr uint32_t kTileBytes = 64 * kTileCols * 2;
+    static constexpr uint32_t kPeerTileBytes = kTileBytes / 2;   // the peer's half of a tile
+
     const SplitKVParams& p;
     typename T::SharedStorage& st;
     const int warp, lane;                 // warp within the producer warpgroup
-    uint32_t free_phase = 0;              // bit 2 * buf + group: parity of the next bar_free wait
+    const uint32_t rank, ranks;           // this CTA's rank in its cluster; CTAs in it (1 or 2)
+    const uint32_t peer_offset;           // shared::cluster address of the peer's byte minus ours
+    uint32_t free_phase = 0;              // bit b: phase of page buffer b's next bar_free wait
 
     __device__ __forceinline__ SparseProducer(const SplitKVParams& params, typename T::SharedStorage& storage)
-        : p(params), st(storage), warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32) {}
+        : p(params), st(storage), warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32),
+          rank(cluster_rank()), ranks(cluster_size()),
+          peer_offset(cluster_size() == 2 ? peer_address(smem_u32(&storage), cluster_rank() ^ 1) - smem_u32(&storage)
+                                          : 0) {}
 
-    // Byte offset of 16-byte chunk `chunk` (of 8) of row `row` in a 128-byte-swizzled 64 x 64 tile.
-    __device__ __forceinline__ static uint32_t swizzled(int row, int chunk) {
-        return row * 128 + ((chunk ^ (row % 8)) * 16);
+    // Shared address of 16-byte chunk `chunk` (of 8) of row `row` of a 128-byte-swizzled tile.
+    __device__ __forceinline__ uint32_t chunk_address(int buf, int tile, int row, int chunk) const {
+        return smem_u32(st.kv[buf]) + tile * kTileBytes + row * 128 + ((chunk ^ (row % 8)) * 16);
     }
 
-    __device__ __forceinline__ unsigned char* chunk_address(int buf, int tile, int row, int chunk) const {
-        return reinterpret_cast<unsigned char*>(st.kv[buf]) + tile * (64 * kTileCols * 2) + swizzled(row, chunk);
-    }
-
-    __device__ __forceinline__ void store_chunk(int buf, int tile, int row, int chunk, uint4 v) const {
-        *reinterpret_cast<uint4*>(chunk_address(buf, tile, row, chunk)) = v;
-    }
-
-    // 16 e4m3 values of `token` (NoPE bytes 16k .. 16k + 15) -> fp16 chunks 2j, 2j + 1 of `tile`.
-    __device__ __forceinline__ void store_nope(int buf, int tile, int row, int j, uint4 raw, uint32_t scale2) const {
-        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t h[8];
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-            h[2 * i] = dequant_pair(w[i] & 0xffffu, scale2);
-            h[2 * i + 1] = dequant_pair(w[i] >> 16, scale2);
-        }
-        store_chunk(buf, tile, row, 2 * j, make_uint4(h[0], h[1], h[2], h[3]));
-        store_chunk(buf, tile, row, 2 * j + 1, make_uint4(h[4], h[5], h[6], h[7]));
-    }
-
-    // Tiles of group kGroup (0: NoPE columns 0-255; 1: NoPE 256-511 and RoPE) for this warp's
-    // tokens, whose byte offsets in the cache lanes 0-15 hold (-1: skipped). The group is a
-    // template argument so that the scales stay in registers (a runtime index would put them in
-    // local memory); the RoPE chunks are bf16 already and go to shared memory by cp.async,
-    // without registers (zeros for a skipped token).
-    template <int kGroup>
-    __device__ __forceinline__ void fill_group(int buf, int64_t offset) const {
+    // The lane's part of one token (byte offset `off` in the cache; < 0: skipped, zeros).
+    __device__ __forceinline__ TokenLoads load_token(int64_t off) const {
+        TokenLoads t;
+        const bool valid = off >= 0;
+        const uint8_t* src = p.cache + (valid ? off : 0);
         const int part = lane / 8;
         CUTE_UNROLL
-        for (int round = 0; round < 2; ++round) {
-            const int token = round * 8 + lane % 8;
-            const int row = warp * 16 + token;
-            const int64_t off = __shfl_sync(0xffffffffu, offset, token);
-            const bool valid = off >= 0;
-            const uint8_t* src = p.cache + (valid ? off : 0);
-            if constexpr (kGroup == 1) {
-                CUTE_UNROLL
-                for (int c = 0; c < 2; ++c) {
-                    copy_chunk_async(chunk_address(buf, kTilesK - 1, row, part + 4 * c),
-                                     src + kFp8RopeOffset + 16 * (part + 4 * c), valid);
-                }
-            }
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            uint4 raw[4];
-            CUTE_UNROLL
-            for (int i = 0; i < 4; ++i) {
-                raw[i] = valid ? load_token_chunk(src + 16 * (kGroup * 16 + part + 4 * i)) : zero;
-            }
-            const float2 scales = valid ? load_scale_pair(src + kHeadDimV + 8 * kGroup) : make_float2(0.0f, 0.0f);
-            CUTE_UNROLL
-            for (int i = 0; i < 4; ++i) {
-                // chunk k = 16 kGroup + part + 4i covers NoPE values 16k ..; its scale is k / 8
-                store_nope(buf, kGroup * 4 + i, row, part, raw[i], fp16x2_splat(i < 2 ? scales.x : scales.y));
-            }
+        for (int tile = 0; tile < kTilesV; ++tile) {
+            t.nope[tile] = valid ? load_token_chunk(src + 16 * (part + 4 * tile)) : make_uint4(0, 0, 0, 0);
         }
-        if constexpr (kGroup == 1) cp_async_wait_all();
+        t.scales = valid ? load_token_scales(src + kHeadDimV) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        return t;
     }
 
-    // Page `page` of the index list `ids` (valid entries: the first `visible`) into buffer `buf`.
-    __device__ __forceinline__ void fill_page(const int* ids, int page, int visible, int buf) {
-        const int t = page * kPageBlock + warp * 16 + lane % 16;
-        const int id = t < visible ? ids[t] : -1;
-        const bool valid = id >= 0 && id < p.cache_tokens;
-        const int64_t offset = valid ? (int64_t)(id / p.page_block_size) * p.cache_block_stride +
-                                       (int64_t)(id % p.page_block_size) * kFp8TokenBytes
-                                     : -1;
-        const uint32_t bits = __ballot_sync(0xffffffffu, valid) & 0xffffu;
+    // 16 bytes into chunk `chunk` of row `row` of a tile, here and, in a pair, at the peer (whose
+    // barrier of that tile counts the bytes).
+    __device__ __forceinline__ void store_chunk(int buf, int tile, int row, int chunk, uint4 v) const {
+        const uint32_t dst = chunk_address(buf, tile, row, chunk);
+        store_shared(dst, v);
+        if (ranks == 2) store_peer_async(dst + peer_offset, v, smem_u32(&st.bar_kv[buf][tile]) + peer_offset);
+    }
+
+    // NoPE tiles of group kGroup (0: tiles 0-3; 1: tiles 4-7) of row `row`, dequantized to fp16
+    // (16 values per lane and tile: fp16 chunks 2 part, 2 part + 1).
+    template <int kGroup>
+    __device__ __forceinline__ void store_nope(int buf, int row, const TokenLoads& t) const {
+        const int part = lane / 8;
         CUTE_UNROLL
-        for (int n = 0; n < 2; ++n) {
-            const int group = buf == 0 ? n : 1 - n;
-            const int slot = 2 * buf + group;
-            mbarrier_wait(smem_u32(&st.bar_free[buf][group]), (free_phase >> slot) & 1);
-            free_phase ^= 1u << slot;
-            if (n == 0 && lane == 0) st.token_valid[buf][warp] = static_cast<uint16_t>(bits);
-            if (group == 0) {
-                fill_group<0>(buf, offset);
-            } else {
-                fill_group<1>(buf, offset);
+        for (int i = 0; i < 4; ++i) {
+            const int tile = 4 * kGroup + i;
+            // tile t holds NoPE values 64t .., whose scale is number t / 2
+            const float scale = tile / 2 == 0 ? t.scales.x : tile / 2 == 1 ? t.scales.y
+                              : tile / 2 == 2 ? t.scales.z : t.scales.w;
+            const uint32_t scale2 = fp16x2_splat(scale);
+            const uint4 raw = t.nope[tile];
+            const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+            uint32_t h[8];
+            CUTE_UNROLL
+            for (int j = 0; j < 4; ++j) {
+                h[2 * j] = dequant_pair(w[j] & 0xffffu, scale2);
+                h[2 * j + 1] = dequant_pair(w[j] >> 16, scale2);
             }
-            fence_smem_for_async_proxy();           // the consumers' WGMMAs read these stores
-            __syncwarp();
-            if (lane == 0) {
-                const int first = group == 0 ? 0 : 4, last = group == 0 ? 4 : kTilesK;
-                for (int tile = first; tile < last; ++tile) mbarrier_arrive(smem_u32(&st.bar_kv[buf][tile]));
+            store_chunk(buf, tile, row, 2 * part, make_uint4(h[0], h[1], h[2], h[3]));
+            store_chunk(buf, tile, row, 2 * part + 1, make_uint4(h[4], h[5], h[6], h[7]));
+        }
+    }
+
+    // The RoPE tile (bf16, as cached) of all 64 rows, by cp.async: no registers, and the page's
+    // only loads whose latency the stores wait for. `offsets` as token_id spreads them.
+    __device__ __forceinline__ void copy_rope(int buf, int64_t offsets) const {
+        const int part = lane / 8;
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            const int row = 32 * half + 8 * warp + lane % 8;
+            const int64_t off = half_offset(offsets, half);
+            const uint8_t* src = p.cache + (off >= 0 ? off : 0) + kFp8RopeOffset;
+            CUTE_UNROLL
+            for (int c = 0; c < 2; ++c) {
+                copy_chunk_async(chunk_address(buf, kTilesK - 1, row, part + 4 * c), src + 16 * (part + 4 * c), off >= 0);
             }
+        }
+    }
+
+    // Wait until every consumer warpgroup of the cluster has released page buffer `buf`. The
+    // first wait on each buffer passes at once (the phase "before" a fresh barrier's first).
+    __device__ __forceinline__ void wait_free(int buf) {
+        mbarrier_wait(smem_u32(&st.bar_free[buf]), ((free_phase >> buf) & 1) ^ 1);
+        free_phase ^= 1u << buf;
+    }
+
+    // The group's tiles are complete in this CTA (warp 0 announces the peer's bytes of a pair).
+    template <int kGroup>
+    __device__ __forceinline__ void publish(int buf) const {
+        if constexpr (kGroup == 1) cp_async_wait_all();
+        fence_smem_for_async_proxy();           // the consumers' WGMMAs read these stores
+        __syncwarp();
+        if (lane == 0) {
+            CUTE_UNROLL
+            for (int tile = 4 * kGroup; tile < (kGroup == 0 ? 4 : kTilesK); ++tile) {
+                const uint32_t bar = smem_u32(&st.bar_kv[buf][tile]);
+                if (ranks == 2 && warp == 0 && tile < kTilesV) {
+                    mbarrier_arrive_expect_tx(bar, kPeerTileBytes);
+                } else {
+                    mbarrier_arrive(bar);
+                }
+            }
+        }
+    }
+
+    // The token id of this lane's row of `page` (-1 past `visible`): lanes 0-15 (and again
+    // 16-31) hold rows 8 warp + lane % 8 and 32 + 8 warp + lane % 8.
+    __device__ __forceinline__ int token_id(const int* ids, int page, int visible) const {
+        const int t = page * kPageBlock + 8 * warp + lane % 8 + 32 * ((lane / 8) & 1);
+        return t < visible ? ids[t] : -1;
+    }
+
+    // Byte offset of token `id` in the cache; -1 for a skipped one (negative or past the cache).
+    __device__ __forceinline__ int64_t token_offset(int id) const {
+        const bool valid = id >= 0 && id < p.cache_tokens;
+        return valid ? (int64_t)(id / p.page_block_size) * p.cache_block_stride +
+                       (int64_t)(id % p.page_block_size) * kFp8TokenBytes
+                     : -1;
+    }
+
+    // This lane's token in rows 32 half .., from a page's offsets (as token_id spreads them).
+    __device__ __forceinline__ int64_t half_offset(int64_t offsets, int half) const {
+        return __shfl_sync(0xffffffffu, offsets, 8 * half + lane % 8);
+    }
+
+    // Pages [first_page, end_page) of the index list `ids` (valid entries: the first `visible`),
+    // alternating between the page buffers. The work comes in half pages (one per page in a pair,
+    // two alone); the loads of the next half page are in flight while this one is stored, and
+    // the ids are read two pages ahead.
+    __device__ __forceinline__ void fill_pages(const int* ids, int first_page, int end_page, int visible) {
+        if (first_page >= end_page) return;
+        const int first_half = ranks == 2 ? rank : 0, halves = ranks == 2 ? 1 : 2;
+        int64_t offsets = token_offset(token_id(ids, first_page, visible));
+        int next_id = first_page + 1 < end_page ? token_id(ids, first_page + 1, visible) : -1;
+        TokenLoads current = load_token(half_offset(offsets, first_half));
+        #pragma unroll 1
+        for (int page = first_page; page < end_page; ++page) {
+            const int buf = (page - first_page) & 1;
+            const int64_t next_offsets = page + 1 < end_page ? token_offset(next_id) : -1;
+            next_id = page + 2 < end_page ? token_id(ids, page + 2, visible) : -1;
+            const uint32_t bits = __ballot_sync(0xffffffffu, offsets >= 0);
+            #pragma unroll 1
+            for (int h = 0; h < halves; ++h) {
+                const int half = first_half + h;
+                const bool last = h == halves - 1;
+                const TokenLoads next = load_token(last ? half_offset(next_offsets, first_half)
+                                                        : half_offset(offsets, half + 1));
+                if (h == 0) {
+                    wait_free(buf);
+                    if (lane == 0) {           // byte b of the mask: rows 8b .. 8b + 7
+                        st.token_valid[buf][warp] = static_cast<uint8_t>(bits);
+                        st.token_valid[buf][4 + warp] = static_cast<uint8_t>(bits >> 8);
+                    }
+                    copy_rope(buf, offsets);
+                }
+                const int row = 32 * half + 8 * warp + lane % 8;
+                store_nope<0>(buf, row, current);
+                if (last) publish<0>(buf);
+                store_nope<1>(buf, row, current);
+                if (last) publish<1>(buf);
+                current = next;
+            }
+            offsets = next_offsets;
         }
     }
 };

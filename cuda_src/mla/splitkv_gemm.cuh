@@ -49,17 +49,21 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB cons
     if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
 }
 
+// Tile 8 of Q (RoPE) for qk_tiles: in registers (the dense kernel's warpgroup 1 reuses that part
+// of sQ for its P), or this marker: still in sQ (the sparse kernel).
+struct RopeTileInSmem {};
+
 // S (+)= Q K^T over the page's 64-column tiles kFirst, kFirst+1, ... (kCount of them, wrapping
-// mod 9), each issued as soon as its TMA barrier completes (one batch per tile). Tile 8 of Q is
-// taken from registers (`q_tile8`), because warpgroup 1 reuses that part of sQ for its P.
-// `kFresh`: the first tile overwrites S instead of accumulating.
+// mod 9), each issued as soon as its barrier completes (one batch per tile). Dense: the
+// consumer announces TMA's bytes; sparse: the producers fill the tiles. `q_tile8`: see
+// RopeTileInSmem. `kFresh`: the first tile overwrites S instead of accumulating.
 template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS>
 __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::Element* page,
                                          uint32_t bar_page, uint32_t phase,
                                          FragQ8 const& q_tile8, FragS& s, int idx_in_wg) {
     constexpr int kTileElems = 64 * kTileCols;
+    using Rope = typename T::IoElement;                    // bf16 in the sparse kernel
     typename T::MmaQK mma;
-    typename T::MmaQKRegQ mma_reg_q;
     CUTE_UNROLL
     for (int i = 0; i < kCount; ++i) {
         const int tile = (kFirst + i) % kTilesK;
@@ -67,10 +71,18 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
         if (!T::kSparse && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
         mbarrier_wait(bar, phase);
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
-        if (tile == kTilesK - 1) {      // the RoPE tile (bf16 in the sparse kernel)
-            auto rope_tile = smem_tile<T>(reinterpret_cast<typename T::IoElement*>(page + tile * kTileElems));
-            auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_tile);
-            wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
+        if (tile == kTilesK - 1) {
+            auto rope_k = smem_tile<T>(reinterpret_cast<Rope*>(page + tile * kTileElems));
+            if constexpr (cute::is_same_v<FragQ8, RopeTileInSmem>) {
+                typename T::MmaQKRope mma_rope;
+                auto thr = mma_rope.get_slice(idx_in_wg);
+                wgmma_batch(mma_rope, thr.partition_fragment_A(smem_tile<T>(reinterpret_cast<Rope*>(sq + tile * kTileElems))),
+                            thr.partition_fragment_B(rope_k), s, kFresh && i == 0);
+            } else {
+                typename T::MmaQKRegQ mma_reg_q;
+                auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_k);
+                wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
+            }
         } else {
             auto thr = mma.get_slice(idx_in_wg);
             wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sq + tile * kTileElems)),

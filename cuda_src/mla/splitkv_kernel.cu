@@ -13,6 +13,11 @@
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
 //
+// Sparse form (kSparse, DeepSeek-V3.2's FP8 cache): a request is one query token, a page 64 of
+// its indices; a third warpgroup fills the page buffers (sparse_producer.cuh) and the consumers
+// follow another schedule (sparse_consumers.cuh). With two m-blocks the CTAs of a query token
+// form a cluster that shares the dequantized pages.
+//
 // Every value read from the caller's integer arrays is checked before it is used as an index:
 // a request whose length is outside [0, 64 * block_table columns] or that uses a block id outside
 // the cache reads nothing past its arrays (block 0 stands in for a bad id) and gets NaN in its
@@ -30,6 +35,7 @@
 #include "mla/splitkv_gemm.cuh"
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
+#include "mla/sparse_consumers.cuh"
 #include "mla/sparse_producer.cuh"
 
 namespace flashmla {
@@ -133,12 +139,6 @@ struct SplitKVCta {
     }
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
-    // Sparse: which of the 64 tokens in page buffer `buf` are attended (written by the producer).
-    __device__ __forceinline__ uint64_t token_valid(int buf) const {
-        if constexpr (T::kSparse) return *reinterpret_cast<const uint64_t*>(st.token_valid[buf]);
-        return ~0ull;
-    }
-
     // Sparse: Q's NoPE tiles (0-7), loaded as bf16, become fp16 in place (one pass per request).
     __device__ __forceinline__ void q_nope_to_fp16() const {
         uint4* chunks = reinterpret_cast<uint4*>(st.q);
@@ -168,15 +168,9 @@ struct SplitKVCta {
     }
 
     // Issued by one thread: tiles [kFirst, kLast) of cache page `page_id` into kv[buf]. Whoever
-    // consumes a tile announces its bytes on the tile's barrier (qk_tiles). Sparse: the tiles'
-    // group(s) are released to the producer warpgroup, which knows what to load.
+    // consumes a tile announces its bytes on the tile's barrier (qk_tiles).
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_page_tiles(int buf, int page_id) const {
-        if constexpr (T::kSparse) {
-            if constexpr (kFirst == 0) mbarrier_arrive(smem_u32(&st.bar_free[buf][0]));
-            if constexpr (kLast == kTilesK) mbarrier_arrive(smem_u32(&st.bar_free[buf][1]));
-            return;
-        }
         const uint32_t bar = buf ? bar_kv1 : bar_kv0;
         CUTE_UNROLL
         for (int t = kFirst; t < kLast; ++t) {
@@ -190,9 +184,9 @@ struct SplitKVCta {
     __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r) const {
         if (r.first_page >= r.end_page) return;
         const int* table = p.block_table + req * p.block_table_stride;
-        load_page_tiles<0, kTilesK>(0, T::kSparse ? 0 : block_id(table, req, r.first_page));
+        load_page_tiles<0, kTilesK>(0, block_id(table, req, r.first_page));
         if (r.first_page + 1 < r.end_page) {
-            const int next = T::kSparse ? 0 : block_id(table, req, r.first_page + 1);
+            const int next = block_id(table, req, r.first_page + 1);
             load_page_tiles<4, kTilesK>(1, next);
             load_page_tiles<0, 4>(1, next);
         }
@@ -226,17 +220,16 @@ struct SplitKVCta {
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
         // instead of delaying the TMA requests that need them.
         int next_id0 = 0, next_id1 = 0;
-        if constexpr (!kLast0 && !kLast1 && !T::kSparse) {
+        if constexpr (!kLast0 && !kLast1) {
             if (idx == 0) {
                 next_id0 = block_id(block_table, req, page + 2);
                 if (page + 3 < end_page) next_id1 = block_id(block_table, req, page + 3);
             }
         }
 
-        wg0_softmax<!T::kSparse && (kLast0 || kLast1), T::kSparse>(s, pb, o, rows, st.row_max, st.scale0,
-                                                                   p.scale_log2, first_token, token_valid(0), idx);
+        wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, p.scale_log2, first_token, idx);
         named_barrier_arrive(int(WgBarrier::kScale0Ready), 256);
-        if constexpr (kLast0 && !T::kSparse) zero_invalid_v_rows<0>(k0, seqlen - first_token);
+        if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
         pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
         warpgroup_wait<0>();
 
@@ -252,7 +245,7 @@ struct SplitKVCta {
         named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
 
         if constexpr (!kLast0) {
-            if constexpr (kLast1 && !T::kSparse) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
+            if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
             named_barrier_sync(int(WgBarrier::kP1Issued), 256);
             wg0_rescale_o(o, rows, scale1);
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
@@ -280,7 +273,7 @@ struct SplitKVCta {
         const int first_token = (page + 1) * kPageBlock;
         Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
-        if constexpr (!kLast0 && !kLast1 && !T::kSparse) {
+        if constexpr (!kLast0 && !kLast1) {
             if (idx == 0) {
                 next_id0 = block_id(block_table, req, page + 2);
                 if constexpr (!kLast2) next_id1 = block_id(block_table, req, page + 3);
@@ -288,18 +281,18 @@ struct SplitKVCta {
         }
 
         named_barrier_sync(int(WgBarrier::kScale0Ready), 256);
-        wg1_softmax<kLast0, !T::kSparse && (kLast1 || kLast2), T::kSparse>(
-            s, pb, o, rows, st.row_max, st.scale0, st.scale1, p.scale_log2, first_token, token_valid(1), idx);
+        wg1_softmax<kLast0, kLast1 || kLast2>(s, pb, o, rows, st.row_max, st.scale0, st.scale1, p.scale_log2,
+                                              first_token, idx);
         named_barrier_arrive(int(WgBarrier::kScale1Ready), 256);
 
         if constexpr (!kLast0) {
             store_p<T>(pb, p1_buf(), idx);
-            if constexpr (kLast1 && !T::kSparse) zero_invalid_v_rows<1>(k1, seqlen - first_token);
+            if constexpr (kLast1) zero_invalid_v_rows<1>(k1, seqlen - first_token);
             pv_reg_p<T, 1>(pb, k1, o, idx);                      // O_R += P1 V1_R
             fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
         }
         named_barrier_sync(int(WgBarrier::kP0Ready), 256);
-        if constexpr (kLast0 && !T::kSparse) zero_invalid_v_rows<1>(k0, seqlen - first_token + kPageBlock);
+        if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kPageBlock);
         pv_smem_p<T, 1>(st.p0, k0, o, idx);                       // O_R += P0 V0_R
         if constexpr (!kLast0) named_barrier_arrive(int(WgBarrier::kP1Issued), 256);
 
@@ -328,11 +321,7 @@ struct SplitKVCta {
         Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kPageBlock>>{});
         int page = first_page;
         if (wg == 0) {
-            if constexpr (T::kSparse) {
-                qk_tiles<T, 0, kTilesK, true>(st.q, page_buf(0), bar_kv0, phase0, q8, s, idx);
-            } else {
-                qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
-            }
+            qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
             phase0 ^= 1;
             named_barrier_sync(int(WgBarrier::kRowMaxInit), 128);
             warpgroup_wait<0>();
@@ -361,6 +350,96 @@ struct SplitKVCta {
             }
         }
     }
+
+    // The scheduler's requests [begin_req, end_req] (range, begin_split: its metadata), from
+    // the first Q load to the last output. kRole: the sparse warpgroup (0 scores, 1 values),
+    // each compiled apart so that ptxas keeps it within its own register budget; -1: dense.
+    template <int kRole>
+    __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
+        uint32_t phase_q = 0, phase0 = 0, phase1 = 0;   // dense: TMA phases of Q and the page buffers
+        uint32_t kv_phase = 0;                           // sparse: bit b, the phase of page buffer b
+        if (threadIdx.x == 0) {
+            load_q(begin_req);
+            if constexpr (!T::kSparse) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
+        }
+
+        #pragma unroll 1
+        for (int req = begin_req; req <= end_req; ++req) {
+            const RequestSpan span = request_span<T>(p, m_block, req, range);
+            RowState rows;
+            rows.sum[0] = rows.sum[1] = 0.0f;
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half) {
+                const int row = fragment_row(half, idx);
+                rows.right_border[half] = p.causal ? min(span.seqlen - causal_mask_len(p, m_block, row),
+                                                         span.end_page * kPageBlock)
+                                                   : span.seqlen;
+            }
+            if (span.bad && threadIdx.x == 0) {
+                report_error(p.error, FLASHMLA_ERROR_SEQLEN_RANGE, req, 0, p.seqlens[req], p.max_blocks_per_seq);
+            }
+            block_table = p.block_table + req * p.block_table_stride;
+            this->req = req;
+            seqlen = span.seqlen;
+            end_page = span.end_page;
+
+            Tensor o = partition_fragment_C(typename T::MmaPVRegP{}, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});
+            clear(o);
+            if (!T::kSparse && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
+
+            mbarrier_wait(bar_q, phase_q);
+            phase_q ^= 1;
+            if constexpr (T::kSparse) {
+                q_nope_to_fp16();
+                if constexpr (kRole == 0) {
+                    float row_max[2] = {kRowMaxInit, kRowMaxInit};
+                    sparse_scores_pages<T>(st, p.scale_log2, span.first_page, span.end_page, o, rows, row_max, kv_phase,
+                                           idx);
+                    if (idx % 4 == 0) {
+                        st.row_max[fragment_row(0, idx)] = row_max[0];
+                        st.row_max[fragment_row(1, idx)] = row_max[1];
+                    }
+                } else {
+                    sparse_values_pages<T>(st, span.first_page, span.end_page, o, idx);
+                }
+            } else if (span.first_page < span.end_page) {
+                mainloop(span.first_page, o, rows, phase0, phase1);
+            }
+
+            float sums[2];
+            reduce_row_sums<T>(rows, st, wg, idx, sums);   // all warps are past the mainloop
+            if (req < end_req) {
+                // Q and page buffers are free: the next request loads while this one is written out.
+                if (threadIdx.x == 0) {
+                    load_q(req + 1);
+                    if constexpr (!T::kSparse) load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, range));
+                }
+            } else {
+                pdl_allow_dependents();                             // the combine kernel may start
+            }
+            OutputTarget out;
+            out.batch_idx = req;
+            out.kv_head = kv_head;
+            out.m_block = m_block;
+            out.num_rows = min(p.q_rows - m_block * kBlockM, kBlockM);
+            const long long split = (long long)p.num_splits[req] + (req == begin_req ? begin_split : 0);
+            out.split_idx = span.whole ? -1 : static_cast<int>(split);
+            out.bad = span.bad || st.bad_request[req & 1];         // set before reduce_row_sums' barrier
+            if (!span.whole && (split < 0 || split >= p.total_splits)) {
+                if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, static_cast<int>(split), p.total_splits);
+                out.num_rows = 0;                                   // nowhere valid to write
+            }
+            // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
+            float inv_sum[2];
+            output_factors<T>(p, st, out, sums, idx, inv_sum);
+            store_o<T>(p, o, inv_sum, out, wg, idx);
+            store_lse<T>(p, st, out);
+            if (req != end_req) {
+                consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
+                if (threadIdx.x == 0) st.bad_request[req & 1] = 0;
+            }
+        }
+    }
 };
 
 template <typename Element, bool kSparse>
@@ -382,10 +461,16 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
-        for (int b = 0; b < 4; ++b) mbarrier_init(smem_u32(&st.bar_free[b / 2][b % 2]), 1);
+        // Sparse: both consumer warpgroups of every CTA of the cluster release a page buffer.
+        for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_free[b]), 2 * cluster_size());
         mbarrier_init_fence();
     }
-    __syncthreads();
+    // Sparse pairs write into each other's buffers and barriers: both must be initialized.
+    if constexpr (kSparse) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
 
     // Everything below reads what earlier kernels wrote (scheduler metadata, inputs).
     pdl_wait_for_producers();
@@ -408,83 +493,21 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
                 const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
                 const int* ids = p.indices + (req / p.sparse_s_q) * p.indices_stride_b +
                                  (req % p.sparse_s_q) * p.indices_stride_s;
-                #pragma unroll 1
-                for (int page = span.first_page; page < span.end_page; ++page) {
-                    producer.fill_page(ids, page, span.seqlen, (page - span.first_page) & 1);
-                }
+                producer.fill_pages(ids, span.first_page, span.end_page, span.seqlen);
             }
+            cluster_sync();            // neither CTA of a pair exits while the other may write into it
             return;
         }
-        warpgroup_claim_registers<T::kConsumerRegs>();
-    }
-
-    uint32_t phase_q = 0, phase0 = 0, phase1 = 0;
-    if (threadIdx.x == 0) {
-        cta.load_q(begin_req);
-        cta.load_first_pages(begin_req, request_span<T>(p, cta.m_block, begin_req, range));
-    }
-
-    #pragma unroll 1
-    for (int req = begin_req; req <= end_req; ++req) {
-        const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
-        RowState rows;
-        rows.sum[0] = rows.sum[1] = 0.0f;
-        CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-            const int row = fragment_row(half, cta.idx);
-            rows.right_border[half] = p.causal ? min(span.seqlen - causal_mask_len(p, cta.m_block, row),
-                                                     span.end_page * kPageBlock)
-                                               : span.seqlen;
-        }
-        if (span.bad && threadIdx.x == 0) {
-            report_error(p.error, FLASHMLA_ERROR_SEQLEN_RANGE, req, 0, p.seqlens[req], p.max_blocks_per_seq);
-        }
-        cta.block_table = p.block_table + req * p.block_table_stride;
-        cta.req = req;
-        cta.seqlen = span.seqlen;
-        cta.end_page = span.end_page;
-
-        Tensor o = partition_fragment_C(typename T::MmaPVRegP{}, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});
-        clear(o);
-        if (threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
-
-        mbarrier_wait(cta.bar_q, phase_q);
-        phase_q ^= 1;
-        if constexpr (kSparse) cta.q_nope_to_fp16();
-        if (span.first_page < span.end_page) cta.mainloop(span.first_page, o, rows, phase0, phase1);
-
-        float sums[2];
-        reduce_row_sums<T>(rows, st, cta.wg, cta.idx, sums);   // all warps are past the mainloop
-        if (req < end_req) {
-            // Q and page buffers are free: the next request loads while this one is written out.
-            if (threadIdx.x == 0) {
-                cta.load_q(req + 1);
-                cta.load_first_pages(req + 1, request_span<T>(p, cta.m_block, req + 1, range));
-            }
+        if (cta.wg == 0) {
+            warpgroup_claim_registers<T::kScoresRegs>();
+            cta.template run_requests<0>(begin_req, end_req, range, begin_split);
         } else {
-            pdl_allow_dependents();                             // the combine kernel may start
+            warpgroup_release_registers<T::kValuesRegs>();
+            cta.template run_requests<1>(begin_req, end_req, range, begin_split);
         }
-        OutputTarget out;
-        out.batch_idx = req;
-        out.kv_head = cta.kv_head;
-        out.m_block = cta.m_block;
-        out.num_rows = min(p.q_rows - cta.m_block * kBlockM, kBlockM);
-        const long long split = (long long)p.num_splits[req] + (req == begin_req ? begin_split : 0);
-        out.split_idx = span.whole ? -1 : static_cast<int>(split);
-        out.bad = span.bad || st.bad_request[req & 1];         // set before reduce_row_sums' barrier
-        if (!span.whole && (split < 0 || split >= p.total_splits)) {
-            if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, static_cast<int>(split), p.total_splits);
-            out.num_rows = 0;                                   // nowhere valid to write
-        }
-        // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
-        float inv_sum[2];
-        output_factors<T>(p, st, out, sums, cta.idx, inv_sum);
-        store_o<T>(p, o, inv_sum, out, cta.wg, cta.idx);
-        store_lse<T>(p, st, out);
-        if (req != end_req) {
-            consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
-            if (threadIdx.x == 0) st.bad_request[req & 1] = 0;
-        }
+        cluster_sync();
+    } else {
+        cta.template run_requests<-1>(begin_req, end_req, range, begin_split);
     }
 }
 

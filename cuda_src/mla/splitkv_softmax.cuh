@@ -121,16 +121,16 @@ __device__ __forceinline__ void scale_rows(FragO& o, const float (&factor)[2]) {
 }
 
 // Warpgroup 0, even page: update the shared max, publish scale0, rescale O_L, S0 -> P0.
-template <bool kMask, bool kTokenMask, typename FragS, typename FragP, typename FragO>
+template <bool kMask, typename FragS, typename FragP, typename FragO>
 __device__ __forceinline__ void wg0_softmax(FragS& s, FragP& p, FragO& o, RowState& rows,
                                             float* row_max, float* scale0, float scale_log2,
-                                            int first_token, uint64_t token_valid, int idx_in_wg) {
+                                            int first_token, int idx_in_wg) {
     float rescale[2];
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const int row = fragment_row(half, idx_in_wg);
-        const float page_max = masked_row_max<kMask, kTokenMask>(s, half, first_token, rows.right_border[half],
-                                                                 token_valid, scale_log2, idx_in_wg);
+        const float page_max = masked_row_max<kMask, false>(s, half, first_token, rows.right_border[half],
+                                                            ~0ull, scale_log2, idx_in_wg);
         const float m_old = row_max[row];
         const float m_new = lazy_row_max(m_old, page_max);
         rescale[half] = exp2_approx(m_old - m_new);
@@ -146,20 +146,18 @@ __device__ __forceinline__ void wg0_softmax(FragS& s, FragP& p, FragO& o, RowSta
 
 // Warpgroup 1, odd page (absent if kNoPage): update the shared max after warpgroup 0, publish
 // scale1, rescale O_R by scale0*scale1, S1 -> P1.
-template <bool kNoPage, bool kMask, bool kTokenMask, typename FragS, typename FragP, typename FragO>
+template <bool kNoPage, bool kMask, typename FragS, typename FragP, typename FragO>
 __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowState& rows,
                                             float* row_max, const float* scale0, float* scale1,
-                                            float scale_log2, int first_token, uint64_t token_valid,
-                                            int idx_in_wg) {
+                                            float scale_log2, int first_token, int idx_in_wg) {
     float o_rescale[2];
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const int row = fragment_row(half, idx_in_wg);
         float rescale = 1.0f, page_sum = 0.0f;
         if constexpr (!kNoPage) {
-            const float page_max = masked_row_max<kMask, kTokenMask>(s, half, first_token,
-                                                                     rows.right_border[half], token_valid,
-                                                                     scale_log2, idx_in_wg);
+            const float page_max = masked_row_max<kMask, false>(s, half, first_token, rows.right_border[half],
+                                                                ~0ull, scale_log2, idx_in_wg);
             const float m_old = row_max[row];
             const float m_new = lazy_row_max(m_old, page_max);
             rescale = exp2_approx(m_old - m_new);

@@ -14,6 +14,7 @@ using namespace cute;
 // tokens that `indices` names and dequantizes them into the page buffers; the NoPE part (Q's
 // first 512 columns, K, V, P) is then fp16 — e4m3 values and their power-of-two scales are
 // exact in it, and e4m3 -> fp16 is one instruction per pair — while the RoPE tile stays bf16.
+// Its consumers are not the seesaw (sparse_consumers.cuh).
 template <typename Element_, bool kSparse_ = false>
 struct SplitKVTraits {
     using Element = Element_;                  // Q, K, V, P (the NoPE part, for kSparse)
@@ -27,12 +28,15 @@ struct SplitKVTraits {
     // Two consumer warpgroups, each owning half of O's columns (+ the sparse producer).
     static constexpr int kConsumerThreads = kSplitKVThreads;
     static constexpr int kThreads = kConsumerThreads + (kSparse ? kSparseProducerThreads : 0);
-    static_assert(kConsumerThreads == 256, "the seesaw schedule has two warpgroups");
+    static_assert(kConsumerThreads == 256, "two consumer warpgroups");
     static_assert(!kSparse || kSparseProducerThreads == 128, "one producer warpgroup");
-    // Sparse: registers per thread after the split (setmaxnreg); 2 x 128 x 224 + 128 x 56 = 384 x 168
-    // (the pool that __launch_bounds__ gives); below 224 ptxas serializes the consumers' WGMMAs.
-    static constexpr int kConsumerRegs = 224;
-    static constexpr int kProducerRegs = 56;
+    // Sparse: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
+    // gives (384 x 168): the scores warpgroup holds S, P and O_L, the values warpgroup only O_R,
+    // and the producer a half page's loads per round in flight.
+    static constexpr int kScoresRegs = 192;
+    static constexpr int kValuesRegs = 160;
+    static constexpr int kProducerRegs = 152;
+    static_assert(!kSparse || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
     using Page = Int<kPageBlock>;
@@ -46,6 +50,9 @@ struct SplitKVTraits {
                              GMMA::Major::K, GMMA::Major::K>()));
     using MmaQKRegQ = decltype(make_tiled_mma(
         GMMA::rs_op_selector<IoElement, IoElement, float, Shape<BlockM, Page, DimK>,
+                             GMMA::Major::K, GMMA::Major::K>()));
+    using MmaQKRope = decltype(make_tiled_mma(       // sparse: the RoPE tile of Q from shared memory
+        GMMA::ss_op_selector<IoElement, IoElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
     // memory (the other warpgroup's page); V is the cache tile read MN-major.
@@ -74,17 +81,17 @@ struct SplitKVTraits {
 
     struct alignas(1024) SharedStorage {
         // 128-byte-swizzled buffers must start on 1024-byte boundaries.
-        alignas(1024) Element q[cosize_v<SmemLayoutRows>];       // tile 8 doubles as P1
+        alignas(1024) Element q[cosize_v<SmemLayoutRows>];       // tile 8 doubles as P1 (dense)
         alignas(1024) Element kv[2][cosize_v<SmemLayoutRows>];   // page 2i in kv[0], 2i+1 in kv[1]
         alignas(1024) Element p0[cosize_v<SmemLayoutTile>];      // warpgroup 0's P, for warpgroup 1
         float row_max[kBlockM];          // running max (log2 domain), shared by both warpgroups
-        float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step
+        float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step (page)
         float scale1[kBlockM];           // ... by warpgroup 1
         float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
         int bad_request[2];              // per request parity: a bad block id was seen (NaN output)
-        uint16_t token_valid[2][4];      // sparse: per page buffer, bit t = token t is attended
+        uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full)
-        uint64_t bar_free[2][2];         // sparse: tiles 0-3 / 4-8 of a page buffer may be refilled
+        uint64_t bar_free[2];            // sparse: a page buffer may be refilled
         uint64_t bar_q;
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
@@ -101,6 +108,8 @@ enum class WgBarrier : int {
     kP0Ready = 3,         // warpgroup 0 stored its rescaled P into p0
     kP1Issued = 4,        // warpgroup 1 stored P1 and issued its WGMMAs reading p0
     kRowMaxInit = 5,      // row_max initialized (warpgroup 0 only)
+    kPReady = 1,          // sparse: warpgroup 0 stored P and its rescale factors (p0, scale0)
+    kPFree = 2,           // sparse: warpgroup 1's WGMMA has read p0
     kConsumers = 8,       // both consumer warpgroups (the sparse kernel's __syncthreads)
 };
 

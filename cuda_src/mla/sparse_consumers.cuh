@@ -1,0 +1,87 @@
+// The sparse kernel's two consumer warpgroups (after FlashMLA's sparse decoding kernel): one for
+// the scores and the left half of O, one for the right half of O, instead of the seesaw.
+//
+// Per page (page buffer b = page parity within the request):
+//   scores warpgroup (0): S = Q K^T tile by tile as the producers fill them, the skipped
+//     tokens masked, online softmax with the running max in registers; P -> p0 and the rows'
+//     rescale factors -> scale0; O_L = O_L * factor + P V_L.
+//   values warpgroup (1): O_R = O_R * factor + P V_R, with P from p0.
+// Each releases the page buffer (bar_free, to every producer of the cluster) once its WGMMAs
+// have read it. Why not the seesaw: with the producer warpgroup beside it, two warpgroups that
+// each hold S and half of O leave the producer 56 registers, and both sides spill; warpgroup 1
+// needs no S here, so the split is 192 / 160 / 152 (splitkv_traits.cuh).
+#pragma once
+#include <cute/tensor.hpp>
+
+#include "common/sync.cuh"
+#include "mla/splitkv_gemm.cuh"
+#include "mla/splitkv_softmax.cuh"
+#include "mla/splitkv_traits.cuh"
+
+namespace flashmla {
+
+using namespace cute;
+
+// Page buffer `buf` may be refilled as far as this warpgroup is concerned (one thread calls).
+template <typename T>
+__device__ __forceinline__ void release_page(typename T::SharedStorage& st, int buf) {
+    const uint32_t bar = smem_u32(&st.bar_free[buf]);
+    mbarrier_arrive(bar);
+    if (cluster_size() == 2) mbarrier_arrive_peer(peer_address(bar, cluster_rank() ^ 1));
+}
+
+// Scores warpgroup over pages [first_page, end_page) of a request: O_L, the row sums and the
+// running max (log2 domain) accumulate. `kv_phase` bit b: parity of page buffer b's next fill.
+template <typename T, typename FragO>
+__device__ __forceinline__ void sparse_scores_pages(typename T::SharedStorage& st, float scale_log2,
+                                                    int first_page, int end_page, FragO& o, RowState& rows,
+                                                    float (&row_max)[2], uint32_t& kv_phase, int idx) {
+    Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kPageBlock>>{});
+    Tensor pb = make_tensor<typename T::Element>(typename T::LayoutFragA{});
+    #pragma unroll 1
+    for (int page = first_page; page < end_page; ++page) {
+        const int buf = (page - first_page) & 1;
+        qk_tiles<T, 0, kTilesK, true>(st.q, st.kv[buf], smem_u32(&st.bar_kv[buf][0]), (kv_phase >> buf) & 1,
+                                      RopeTileInSmem{}, s, idx);
+        kv_phase ^= 1u << buf;
+        warpgroup_wait<0>();
+        if (page > first_page) named_barrier_sync(int(WgBarrier::kPFree), 256);   // p0, scale0 read
+        const uint64_t valid = *reinterpret_cast<const uint64_t*>(st.token_valid[buf]);
+        float factor[2];
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            const float page_max = masked_row_max<false, true>(s, half, 0, 0, valid, scale_log2, idx);
+            const float m_new = lazy_row_max(row_max[half], page_max);
+            factor[half] = exp2_approx(row_max[half] - m_new);
+            row_max[half] = m_new;
+            rows.sum[half] = rows.sum[half] * factor[half] + exponentiate(s, pb, half, m_new, scale_log2);
+            if (idx % 4 == 0) st.scale0[fragment_row(half, idx)] = factor[half];
+        }
+        scale_rows(o, factor);
+        store_p<T>(pb, st.p0, idx);
+        fence_smem_for_async_proxy();
+        named_barrier_arrive(int(WgBarrier::kPReady), 256);
+        pv_reg_p<T, 0>(pb, st.kv[buf], o, idx);                  // O_L += P V_L
+        warpgroup_wait<0>();
+        if (idx == 0) release_page<T>(st, buf);
+    }
+}
+
+// Values warpgroup over the same pages: O_R follows the scores warpgroup's factors.
+template <typename T, typename FragO>
+__device__ __forceinline__ void sparse_values_pages(typename T::SharedStorage& st, int first_page, int end_page,
+                                                    FragO& o, int idx) {
+    #pragma unroll 1
+    for (int page = first_page; page < end_page; ++page) {
+        const int buf = (page - first_page) & 1;
+        named_barrier_sync(int(WgBarrier::kPReady), 256);
+        const float factor[2] = {st.scale0[fragment_row(0, idx)], st.scale0[fragment_row(1, idx)]};
+        scale_rows(o, factor);
+        pv_smem_p<T, 1>(st.p0, st.kv[buf], o, idx);             // O_R += P V_R
+        warpgroup_wait<0>();
+        if (idx == 0) release_page<T>(st, buf);
+        if (page + 1 < end_page) named_barrier_arrive(int(WgBarrier::kPFree), 256);
+    }
+}
+
+}  // namespace flashmla
