@@ -29,12 +29,13 @@ ERROR_SEQLEN_NEGATIVE = 1   # cache_seqlens[i] < 0 (metadata kernel)
 ERROR_SEQLEN_RANGE = 2      # cache_seqlens[i] outside [0, 64 * block_table columns] (split-KV kernel)
 ERROR_BLOCK_ID = 3          # a block id the call reads is outside [0, num_blocks) (split-KV kernel)
 ERROR_SCHEDULE = 4          # metadata / num_splits inconsistent with this batch (split-KV, combine)
+ERROR_METADATA_KIND = 5     # metadata of another kind of call: other topk, dense vs sparse (split-KV kernel)
 
 _SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "PAGE_BLOCK_SIZE", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
            "SPARSE_PRODUCER_THREADS",
            "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
            "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",
-           "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE")
+           "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE", "ERROR_METADATA_KIND")
 
 
 def defines() -> tuple[tuple[str, str], ...]:

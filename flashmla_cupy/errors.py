@@ -124,6 +124,17 @@ def describe(code: int, index0: int, index1: int, value: int, bound: int) -> str
     if code == constants.ERROR_SCHEDULE:
         return (f"tile_scheduler_metadata and num_splits must come from get_mla_metadata of this batch "
                 f"(request {index0}: split {value} outside [0, {bound}))")
+    if code == constants.ERROR_METADATA_KIND:
+        # index0: the SM part whose row was read; value: the topk recorded in it (-1: dense);
+        # bound: this call's topk (indices' last dimension; -1: a dense call).
+        start = "tile_scheduler_metadata and num_splits must come from get_mla_metadata for this call: "
+        call = (f"this sparse call needs topk={bound} (indices' last dimension)" if bound >= 0 else
+                "this call is dense (no indices)")
+        if value == -1:
+            return start + f"they were computed for dense decoding (no topk); {call}"
+        if value < 1:
+            return start + f"they were not computed by it (row {index0} records topk {value}); {call}"
+        return start + f"they were computed for sparse decoding with topk={value}; {call}"
     return f"unknown error code {code} (index {index0}, {index1}, value {value}, bound {bound})"
 
 

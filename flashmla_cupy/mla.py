@@ -18,7 +18,7 @@ import numpy as np
 from . import checks, errors, interop, launch, programs, scheduler, sparse
 from .constants import FIXED_OVERHEAD_BLOCKS, PAGE_BLOCK_SIZE, SCHED_META_INTS
 from .params import MetadataParams
-from .plan import CallPlan, MLAWorkspace, layout_key
+from .plan import CallPlan, LaunchPlan, MLAWorkspace, layout_key
 
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "get_mla_workspace", "metadata_shapes", "MLAWorkspace"]
 
@@ -165,31 +165,32 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     """
     stream_ptr = cupy.cuda.get_current_stream().ptr if stream is None else interop.stream_handle(stream)
     device_id = cupy.cuda.runtime.getDevice()
-    if indices is not None:
-        return _sparse_call(device_id, stream_ptr, stream, q, k_cache, head_dim_v, tile_scheduler_metadata,
-                            num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
-                            out, lse, workspace)
-    if is_fp8_kvcache is not False or attn_sink is not None or topk_length is not None:
-        raise ValueError("is_fp8_kvcache, attn_sink and topk_length are for sparse decoding (pass indices); "
-                         "the dense kernel reads a bf16/fp16 cache")
-    arrays = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
-    layout = layout_key(*arrays)
+    if indices is None:
+        if is_fp8_kvcache is not False or attn_sink is not None or topk_length is not None:
+            raise ValueError("is_fp8_kvcache, attn_sink and topk_length are for sparse decoding (pass indices); "
+                             "the dense kernel reads a bf16/fp16 cache")
+        arrays, names = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits), _DENSE_ARRAYS
+    else:
+        arrays = (q, k_cache, indices, tile_scheduler_metadata, num_splits, topk_length, attn_sink)
+        names = _SPARSE_ARRAYS
+    layout = layout_key(arrays)
     from_torch = layout is not None and layout[0][0] == "torch"
     if layout is None:      # other or mixed array types: CuPy views of each, on every call
         from_torch = any(type(x) is interop.torch_tensor_type() for x in arrays)
-        arrays = tuple(checks.device_view(x, name) for x, name in zip(arrays, _ARRAY_NAMES))
-        layout = layout_key(*arrays)
+        arrays = tuple(x if x is None else checks.device_view(x, name) for x, name in zip(arrays, names))
+        layout = layout_key(arrays)
     key = (device_id, stream_ptr, head_dim_v, type(head_dim_v), softmax_scale, type(softmax_scale),
-           causal, type(causal), layout[0])
+           causal, type(causal), is_fp8_kvcache, type(is_fp8_kvcache), layout[0])
     plan = _plans.get(key)
     if plan is None:
-        plan = _new_plan(key, stream_ptr, *arrays[:4], head_dim_v, *arrays[4:], softmax_scale, causal)
+        plan = _new_plan(key, stream_ptr, arrays, head_dim_v, softmax_scale, causal, is_fp8_kvcache)
     if from_torch and stream is None:       # torch wrote the inputs on its current stream
         interop.wait_for_torch(device_id, stream_ptr)
     return plan.run(layout[1], arrays[0], out, lse, workspace)
 
 
-_ARRAY_NAMES = ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")
+_DENSE_ARRAYS = ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")
+_SPARSE_ARRAYS = ("q", "k_cache", "indices", "tile_scheduler_metadata", "num_splits", "topk_length", "attn_sink")
 
 
 def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = False, alloc=None) -> MLAWorkspace:
@@ -215,37 +216,25 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = Fal
 
 
 _MAX_PLANS = 16
-_plans: OrderedDict[tuple, CallPlan] = OrderedDict()
+_plans: OrderedDict[tuple, LaunchPlan] = OrderedDict()
 _plans_lock = threading.Lock()
 
 
-def _new_plan(key, stream_ptr, q, k_cache, block_table, cache_seqlens, head_dim_v, metadata, num_splits,
-              softmax_scale, causal) -> CallPlan:
+def _new_plan(key, stream_ptr, arrays, head_dim_v, softmax_scale, causal, is_fp8_kvcache) -> LaunchPlan:
     """Check every argument (the first call with a layout), then keep its plan."""
-    family = "cupy" if type(q) is cupy.ndarray else "torch"
-    a = checks.mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, metadata, num_splits,
-                          softmax_scale, causal)
-    plan = CallPlan(a, stream_ptr, family)
+    family = "cupy" if type(arrays[0]) is cupy.ndarray else "torch"
+    if len(arrays) == len(_DENSE_ARRAYS):
+        q, k_cache, block_table, cache_seqlens, metadata, num_splits = arrays
+        a = checks.mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, metadata, num_splits,
+                              softmax_scale, causal)
+        plan = CallPlan(a, stream_ptr, family)
+    else:
+        q, k_cache, indices, metadata, num_splits, topk_length, attn_sink = arrays
+        a = sparse.sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, causal,
+                                 is_fp8_kvcache, indices, attn_sink, topk_length)
+        plan = sparse.SparsePlan(a, stream_ptr, family)
     with _plans_lock:
         _plans[key] = plan
         if len(_plans) > _MAX_PLANS:
             _plans.popitem(last=False)
     return plan
-
-
-def _sparse_call(device_id, stream_ptr, stream, q, k_cache, head_dim_v, metadata, num_splits, softmax_scale,
-                 causal, is_fp8_kvcache, indices, attn_sink, topk_length, out, lse, workspace):
-    """Sparse decoding: checked on every call (the plan is kept per layout)."""
-    inputs, arrays = sparse.sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, causal,
-                                          is_fp8_kvcache, indices, attn_sink, topk_length)
-    if stream is None and any(type(x) is interop.torch_tensor_type() for x in (q, k_cache, indices)):
-        interop.wait_for_torch(device_id, stream_ptr)
-    key = ("sparse", device_id, stream_ptr, inputs)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = sparse.SparsePlan(inputs, stream_ptr)
-        with _plans_lock:
-            _plans[key] = plan
-            if len(_plans) > _MAX_PLANS:
-                _plans.popitem(last=False)
-    return plan.run(arrays, out, lse, workspace)

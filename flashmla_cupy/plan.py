@@ -1,7 +1,8 @@
 """The call plan of ``flash_mla_with_kvcache``: everything that depends only on the arguments'
 layout, prepared once and reused by every call with that layout.
 
-A ``CallPlan`` holds the checked sizes, the two prebuilt launches (split-KV, combine) with their
+A plan (``CallPlan`` for dense calls, ``sparse.SparsePlan`` for sparse ones, both built on
+``LaunchPlan``) holds the checked sizes, the two prebuilt launches (split-KV, combine) with their
 constant parameter fields, the TMA tensor maps (re-encoded only when an address changes), the
 error record of its device and a default workspace. ``layout_key`` reads what a plan depends on
 from CuPy arrays or torch tensors without converting them; a call whose key is known skips every
@@ -25,40 +26,42 @@ from .params import CombineParams, SplitKVParams
 _ndarray = cupy.ndarray
 
 
-def layout_key(q, k_cache, block_table, cache_seqlens, metadata, num_splits):
-    """``(key, pointers)`` of six CuPy arrays, or of six torch tensors; None otherwise.
+def layout_key(arrays):
+    """``(key, pointers)`` of a call's arrays, all CuPy arrays or all torch tensors (None for an
+    absent optional one); None for other or mixed types.
 
-    The key holds every array's shape, strides, dtype and device, and the 16-byte alignment of
-    q and the cache: all that the checks look at besides values. It is one flat tuple built
-    inline, since it runs on every call.
+    The key holds every array's shape, strides, dtype, device and 16-byte alignment: all that the
+    checks look at besides values. It runs on every call: one loop, no helper calls.
     """
-    if type(q) is _ndarray:
-        if not (type(k_cache) is _ndarray and type(block_table) is _ndarray and type(cache_seqlens) is _ndarray
-                and type(metadata) is _ndarray and type(num_splits) is _ndarray):
-            return None
-        qd, kd, bd, sd, md, nd = q.data, k_cache.data, block_table.data, cache_seqlens.data, metadata.data, num_splits.data
-        qp, kp = qd.ptr, kd.ptr
-        return ((q.shape, q.strides, q.dtype, qd.device_id, qp % 16,
-                 k_cache.shape, k_cache.strides, k_cache.dtype, kd.device_id, kp % 16,
-                 block_table.shape, block_table.strides, block_table.dtype, bd.device_id,
-                 cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, sd.device_id,
-                 metadata.shape, metadata.strides, metadata.dtype, md.device_id,
-                 num_splits.shape, num_splits.strides, num_splits.dtype, nd.device_id),
-                (qp, kp, bd.ptr, sd.ptr, md.ptr, nd.ptr))
+    key, pointers = [], []
+    if type(arrays[0]) is _ndarray:
+        for x in arrays:
+            if type(x) is _ndarray:
+                d = x.data
+                p = d.ptr
+                key += (x.shape, x.strides, x.dtype, d.device_id, p % 16)
+                pointers.append(p)
+            elif x is None:
+                key.append(None)
+                pointers.append(0)
+            else:
+                return None
+        return tuple(key), pointers
     tensor = interop.torch_tensor_type()
-    if tensor is None or type(q) is not tensor:
+    if tensor is None or type(arrays[0]) is not tensor:
         return None
-    if not (type(k_cache) is tensor and type(block_table) is tensor and type(cache_seqlens) is tensor
-            and type(metadata) is tensor and type(num_splits) is tensor):
-        return None
-    qp, kp = q.data_ptr(), k_cache.data_ptr()
-    return (("torch", q.shape, q.stride(), q.dtype, q.get_device(), qp % 16,
-             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), kp % 16,
-             block_table.shape, block_table.stride(), block_table.dtype, block_table.get_device(),
-             cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
-             metadata.shape, metadata.stride(), metadata.dtype, metadata.get_device(),
-             num_splits.shape, num_splits.stride(), num_splits.dtype, num_splits.get_device()),
-            (qp, kp, block_table.data_ptr(), cache_seqlens.data_ptr(), metadata.data_ptr(), num_splits.data_ptr()))
+    key.append("torch")
+    for x in arrays:
+        if type(x) is tensor:
+            p = x.data_ptr()
+            key += (x.shape, x.stride(), x.dtype, x.get_device(), p % 16)
+            pointers.append(p)
+        elif x is None:
+            key.append(None)
+            pointers.append(0)
+        else:
+            return None
+    return tuple(key), pointers
 
 
 def _contiguous_strides(shape, itemsize: int) -> tuple[int, ...]:
@@ -124,57 +127,143 @@ class MLAWorkspace:
 
 # The pointer fields that change from call to call are consecutive in both parameter structs,
 # so each call writes them with one struct.pack_into.
-_SPLITKV_POINTERS = ("block_table", "seqlens", "sched_meta", "num_splits", "lse", "lse_accum", "o_accum", "o", "error")
-_COMBINE_POINTERS = ("num_splits", "lse_accum", "o_accum", "o", "lse", "error")
+SPLITKV_POINTERS = ("block_table", "seqlens", "sched_meta", "num_splits", "lse", "lse_accum", "o_accum", "o", "error")
+COMBINE_POINTERS = ("num_splits", "lse_accum", "o_accum", "o", "lse", "error")
 
 
-def _pointer_run(struct_type, names) -> tuple[int, str]:
+def pointer_run(struct_type, names) -> tuple[int, str]:
     offsets = [getattr(struct_type, n).offset for n in names]
     assert offsets == list(range(offsets[0], offsets[0] + 8 * len(names), 8)), names
     return offsets[0], f"<{len(names)}Q"
 
 
-class CallPlan:
-    """A checked call layout on one device and stream: kernels, launch configurations, constant
-    parameter fields, tensor maps and a default workspace."""
+class LaunchPlan:
+    """What the dense and the sparse call plans share: device, stream, error record, the
+    outputs' layouts, the default workspace, the tensor maps, and the start of every run
+    (outputs and workspace checked before anything is allocated or launched). A subclass
+    defines ``_prepare_launches`` and ``run``."""
+
+    workspace_call = "get_mla_workspace(q, k_cache, tile_scheduler_metadata)"
+
+    def __init__(self, stream_ptr: int, family: str, dtype, out_shape, lse_shape, workspace_signature, maps):
+        self.dtype = dtype
+        self.family = family                  # "cupy" or "torch": the arrays of this layout
+        self.device_id = cupy.cuda.runtime.getDevice()
+        self.stream_ptr = stream_ptr
+        self.record = errors.record(self.device_id)
+        self.out_shape, self.lse_shape = out_shape, lse_shape
+        self.out_strides = _contiguous_strides(out_shape, dtype.itemsize)
+        self.lse_strides = _contiguous_strides(lse_shape, 4)
+        self._torch_out = self._torch_lse = None   # torch outputs' layouts (torch's strides count elements)
+        if family == "torch":
+            self._torch_out = (out_shape, tuple(s // dtype.itemsize for s in self.out_strides),
+                               interop.torch_dtype(dtype))
+            self._torch_lse = (lse_shape, tuple(s // 4 for s in self.lse_strides),
+                               interop.torch_dtype(np.dtype(np.float32)))
+        self.workspace_signature = (self.device_id, *workspace_signature, dtype)
+        self._own_workspace = None
+        self._maps = [list(m) + [None] for m in maps]   # (field offset, shape, byte strides, last address)
+        self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
+        self._lock = threading.Lock()
+
+    def _begin_run(self, out, lse, workspace):
+        """``(out, out_ptr, lse, lse_ptr, workspace)`` of a run: the caller's outputs and workspace
+        checked, the launches prepared, missing outputs allocated."""
+        errors.raise_pending(self.record)
+        if out is not None:
+            out, out_ptr = self._output_pointer(out, "out", self.out_shape, self.out_strides, self.dtype,
+                                                self._torch_out)
+        if lse is not None:
+            lse, lse_ptr = self._output_pointer(lse, "lse", self.lse_shape, self.lse_strides, np.float32,
+                                                self._torch_lse)
+        ws = self._workspace(workspace)
+        if self.splitkv is None:
+            with self._lock:
+                if self.splitkv is None:
+                    self._prepare_launches()
+        if out is None:
+            out = self._new_output(self.out_shape, self.dtype)
+            out_ptr = out.data.ptr
+        if lse is None:
+            lse = self._new_output(self.lse_shape, np.float32)
+            lse_ptr = lse.data.ptr
+        return out, out_ptr, lse, lse_ptr, ws
+
+    def _workspace(self, workspace) -> MLAWorkspace:
+        if workspace is None:
+            if self._own_workspace is None:
+                self._own_workspace = MLAWorkspace(*self.workspace_signature[1:])
+            return self._own_workspace
+        if type(workspace) is not MLAWorkspace or workspace.signature != self.workspace_signature:
+            got = getattr(workspace, "signature", type(workspace).__name__)
+            raise ValueError(f"workspace must come from {self.workspace_call} for this call's shapes "
+                             f"(device, requests, s_q, h_q, h_kv, num_sm_parts, dtype = {self.workspace_signature}); "
+                             f"got {got}")
+        return workspace
+
+    def _output_pointer(self, x, name: str, shape, strides, dtype, torch_layout) -> tuple[object, int]:
+        """A caller-provided output (CuPy array, torch tensor or any CUDA array) and its address,
+        after checking shape, layout, dtype and device."""
+        if type(x) is _ndarray:
+            d = x.data
+            if x.shape == shape and x.strides == strides and x.dtype == dtype and d.device_id == self.device_id:
+                return x, d.ptr
+        elif torch_layout is not None and type(x) is interop.torch_tensor_type():
+            t_shape, t_strides, t_dtype = torch_layout
+            if x.shape == t_shape and x.stride() == t_strides and x.dtype == t_dtype and x.get_device() == self.device_id:
+                return x, x.data_ptr()
+        arr = checks.output_array(x, name, shape, dtype)     # converts a foreign array, or raises
+        return x, arr.data.ptr
+
+    def _new_output(self, shape, dtype):
+        if self.stream_ptr == cupy.cuda.get_current_stream().ptr:
+            return cupy.empty(shape, dtype=dtype)
+        with interop.on_stream(self.stream_ptr):      # the pool ties memory to its stream
+            return cupy.empty(shape, dtype=dtype)
+
+    def _copy_q_rows(self, q_ptr: int, q, ws: MLAWorkspace) -> int:
+        """Q into the workspace as [batch][s_q * heads_per_kv][h_kv][576], where the kernel cannot
+        read it in place; returns its address."""
+        a = self.inputs
+        src = interop.device_view_of(q_ptr, (a.batch, a.s_q, a.h_q, HEAD_DIM_K), self.dtype, q, self.device_id,
+                                     strides=a.q_strides)
+        dst = ws.view("q_rows")
+        with interop.on_stream(self.stream_ptr):
+            dst.reshape(a.batch, a.s_q, a.heads_per_kv, a.h_kv, HEAD_DIM_K)[...] = \
+                src.reshape(a.batch, a.s_q, a.h_kv, a.heads_per_kv, HEAD_DIM_K).transpose(0, 1, 3, 2, 4)
+        return dst.data.ptr
+
+    def _update_map(self, index: int, address: int) -> None:
+        """Re-encode a tensor map only when its array's address changed."""
+        entry = self._maps[index]
+        if entry[3] != address:
+            raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2])
+            ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
+            entry[3] = address
+
+
+class CallPlan(LaunchPlan):
+    """A checked dense call layout on one device and stream: kernels, launch configurations,
+    constant parameter fields, tensor maps and a default workspace."""
 
     def __init__(self, a: checks.MLAInputs, stream_ptr: int, family: str):
         # Sizes only: a plan must not keep the caller's arrays (the cache can be many GB) alive.
         self.inputs = a = dataclasses.replace(a, q=None, k_cache=None, block_table=None, cache_seqlens=None,
                                               tile_scheduler_metadata=None, num_splits=None)
-        self.dtype = a.dtype
-        self.family = family                  # "cupy" or "torch": the arrays of this layout
-        self.device_id = cupy.cuda.runtime.getDevice()
-        self.stream_ptr = stream_ptr
-        self.record = errors.record(self.device_id)
-        self.out_shape = (a.batch, a.s_q, a.h_q, HEAD_DIM_V)
-        self.lse_shape = (a.batch, a.h_q, a.s_q)
-        self.out_strides = _contiguous_strides(self.out_shape, self.dtype.itemsize)
-        self.lse_strides = _contiguous_strides(self.lse_shape, 4)
-        self._torch_out = self._torch_lse = None   # torch outputs' layouts (torch's strides count elements)
-        if family == "torch":
-            self._torch_out = (self.out_shape, tuple(s // self.dtype.itemsize for s in self.out_strides),
-                               interop.torch_dtype(self.dtype))
-            self._torch_lse = (self.lse_shape, tuple(s // 4 for s in self.lse_strides),
-                               interop.torch_dtype(np.dtype(np.float32)))
-        self.workspace_signature = (self.device_id, a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts, self.dtype)
-        self._own_workspace = None
         # Q is read in place when its (token, head) pairs form evenly strided rows; else it is
         # copied into the workspace as [batch][q_rows][h_kv][576].
         s_b, s_s, s_h, _ = a.q_strides
         self.q_in_place = a.h_kv == 1 and (a.s_q == 1 or s_s == a.h_q * s_h) and s_b % 16 == 0 and s_h % 16 == 0
-        esize = self.dtype.itemsize
+        esize = a.dtype.itemsize
         if self.q_in_place:
             q_map = ((a.batch, a.q_rows, 1, HEAD_DIM_K), (s_b, s_h, s_h * a.q_rows, esize))
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize))
-        self._maps = [  # (field offset, shape, byte strides, last encoded address)
-            [SplitKVParams.tma_q.offset, *q_map, None],
-            [SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, None],
-        ]
-        self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
-        self._lock = threading.Lock()
+        super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
+                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts),
+                         [(SplitKVParams.tma_q.offset, *q_map),
+                          (SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides)])
 
     def _prepare_launches(self) -> None:
         """Load (compiling on first use) the kernels and prebuild both launches."""
@@ -201,72 +290,14 @@ class CallPlan:
         c.batch, c.q_rows, c.h_kv, c.heads_per_kv = a.batch, a.q_rows, a.h_kv, a.heads_per_kv
         c.s_q, c.h_q, c.max_splits, c.total_splits = a.s_q, a.h_q, a.num_sm_parts, a.batch + a.num_sm_parts
         c.sparse_s_q = 1
-        self._splitkv_pointers = _pointer_run(SplitKVParams, _SPLITKV_POINTERS)
-        self._combine_pointers = _pointer_run(CombineParams, _COMBINE_POINTERS)
-
-    def _workspace(self, workspace) -> MLAWorkspace:
-        if workspace is None:
-            if self._own_workspace is None:
-                self._own_workspace = MLAWorkspace(*self.workspace_signature[1:])
-            return self._own_workspace
-        if type(workspace) is not MLAWorkspace or workspace.signature != self.workspace_signature:
-            got = getattr(workspace, "signature", type(workspace).__name__)
-            raise ValueError(f"workspace must come from get_mla_workspace for this call's shapes "
-                             f"(device, batch, s_q, h_q, h_kv, num_sm_parts, dtype = "
-                             f"{self.workspace_signature}); got {got}")
-        return workspace
-
-    def _output_pointer(self, x, name: str, shape, strides, dtype, torch_layout) -> tuple[object, int]:
-        """A caller-provided output (CuPy array, torch tensor or any CUDA array) and its address,
-        after checking shape, layout, dtype and device."""
-        if type(x) is _ndarray:
-            d = x.data
-            if x.shape == shape and x.strides == strides and x.dtype == dtype and d.device_id == self.device_id:
-                return x, d.ptr
-        elif torch_layout is not None and type(x) is interop.torch_tensor_type():
-            t_shape, t_strides, t_dtype = torch_layout
-            if x.shape == t_shape and x.stride() == t_strides and x.dtype == t_dtype and x.get_device() == self.device_id:
-                return x, x.data_ptr()
-        arr = checks.output_array(x, name, shape, dtype)     # converts a foreign array, or raises
-        return x, arr.data.ptr
-
-    def _new_output(self, shape, dtype):
-        if self.stream_ptr == cupy.cuda.get_current_stream().ptr:
-            return cupy.empty(shape, dtype=dtype)
-        with interop.on_stream(self.stream_ptr):      # the pool ties memory to its stream
-            return cupy.empty(shape, dtype=dtype)
-
-    def _update_map(self, index: int, address: int) -> None:
-        """Re-encode a tensor map only when its array's address changed."""
-        entry = self._maps[index]
-        if entry[3] != address:
-            raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2])
-            ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
-            entry[3] = address
+        self._splitkv_pointers = pointer_run(SplitKVParams, SPLITKV_POINTERS)
+        self._combine_pointers = pointer_run(CombineParams, COMBINE_POINTERS)
 
     def run(self, pointers, q, out, lse, workspace):
         """Launch both kernels for arrays of this plan's layout at ``pointers`` (q, k_cache,
         block_table, cache_seqlens, metadata, num_splits); ``q`` is only read for a copy."""
-        errors.raise_pending(self.record)
         a = self.inputs
-        # Caller-provided outputs and workspace are checked before anything is allocated.
-        if out is not None:
-            out, out_ptr = self._output_pointer(out, "out", self.out_shape, self.out_strides, self.dtype,
-                                                self._torch_out)
-        if lse is not None:
-            lse, lse_ptr = self._output_pointer(lse, "lse", self.lse_shape, self.lse_strides, np.float32,
-                                                self._torch_lse)
-        ws = self._workspace(workspace)
-        if self.splitkv is None:
-            with self._lock:
-                if self.splitkv is None:
-                    self._prepare_launches()
-        if out is None:
-            out = self._new_output(self.out_shape, self.dtype)
-            out_ptr = out.data.ptr
-        if lse is None:
-            lse = self._new_output(self.lse_shape, np.float32)
-            lse_ptr = lse.data.ptr
+        out, out_ptr, lse, lse_ptr, ws = self._begin_run(out, lse, workspace)
         q_ptr, k_ptr, table_ptr, seqlens_ptr, meta_ptr, splits_ptr = pointers
         error_ptr = errors.kernel_pointer(self.record)
         with self._lock:
@@ -290,16 +321,6 @@ class CallPlan:
         return out, lse
 
     # --- layouts the kernels cannot use in place (several KV heads, unevenly strided q) -------
-
-    def _copy_q_rows(self, q_ptr: int, q, ws: MLAWorkspace) -> int:
-        a = self.inputs
-        src = interop.device_view_of(q_ptr, (a.batch, a.s_q, a.h_q, HEAD_DIM_K), self.dtype, q, self.device_id,
-                                     strides=a.q_strides)
-        dst = ws.view("q_rows")
-        with interop.on_stream(self.stream_ptr):
-            dst.reshape(a.batch, a.s_q, a.heads_per_kv, a.h_kv, HEAD_DIM_K)[...] = \
-                src.reshape(a.batch, a.s_q, a.h_kv, a.heads_per_kv, HEAD_DIM_K).transpose(0, 1, 3, 2, 4)
-        return dst.data.ptr
 
     def _copy_o_rows(self, ws: MLAWorkspace, out_ptr: int, out) -> None:
         a = self.inputs

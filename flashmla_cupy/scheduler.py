@@ -26,10 +26,14 @@ that a part makes progress: even when the request it starts with does not fit, i
 Outputs, exactly as the kernel writes them (int32):
 
 * ``tile_scheduler_metadata[part] = [begin_req, begin_token, end_req, end_token, begin_split,
-  0, 0, 0]``: the part processes tokens ``[begin_token, ...)`` of request ``begin_req`` through
+  topk, 0, 0]``: the part processes tokens ``[begin_token, ...)`` of request ``begin_req`` through
   tokens ``[..., end_token)`` of request ``end_req`` (whole requests in between), and its piece
   of ``begin_req`` is that request's split number ``begin_split``. A part with nothing left to do
-  has ``begin_req == batch`` (and ``end_req == batch - 1``).
+  has ``begin_req == batch`` (and ``end_req == batch - 1``). ``topk`` is what the metadata was
+  computed for: -1 for dense decoding, and for sparse decoding (``get_mla_metadata(...,
+  topk=...)``, where every request is scheduled as ``topk`` tokens long) indices' last
+  dimension; the split-KV kernel refuses metadata whose ``topk`` is not its call's
+  (``ERROR_METADATA_KIND``).
 * ``num_splits[i]`` = number of splits of the requests before i (``num_splits[0] = 0``): request
   i's splits are the global indices ``num_splits[i] .. num_splits[i + 1] - 1`` of the split
   workspace.
@@ -78,18 +82,28 @@ def payload(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
 
 
 def schedule(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
-             fixed_overhead: int = FIXED_OVERHEAD_BLOCKS) -> tuple[np.ndarray, np.ndarray]:
+             fixed_overhead: int = FIXED_OVERHEAD_BLOCKS, *, topk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The metadata kernel's output for one batch, computed on the host.
 
     Args:
         seqlens: ints ``[batch]`` (batch >= 1), tokens per request, on the host.
         num_sm_parts: parts to divide the batch into (``num_sm_parts(...)``), >= 1.
         block_n, fixed_overhead: page size in tokens and per-piece overhead in pages.
+        topk: sparse decoding (``get_mla_metadata(..., topk=topk)``), >= 1: every request is
+            scheduled as ``topk`` tokens long (only ``len(seqlens)`` counts, as in the kernel)
+            and ``topk`` is recorded in slot 5; None (dense): slot 5 is -1.
 
     Returns:
         ``(tile_scheduler_metadata, num_splits)``: int32 ``[num_sm_parts, 8]`` and int32
         ``[batch + 1]``, bit-identical to what ``mla_metadata_kernel`` writes.
     """
+    if topk is not None:
+        if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not 1 <= topk < 2**31:
+            raise ValueError(f"topk must be an int in [1, 2**31); got {topk!r}")
+        array = np.asarray(seqlens)
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(f"seqlens must be a non-empty 1-D sequence; got {array!r}")
+        seqlens = [int(topk)] * array.size
     seqlens = _validated_seqlens(seqlens)
     if num_sm_parts < 1:
         raise ValueError(f"num_sm_parts must be >= 1; got {num_sm_parts}")
@@ -119,7 +133,7 @@ def schedule(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
             end_req, end_token = req, page * block_n
         else:            # the part ends with the whole of request req - 1
             end_req, end_token = req - 1, seqlens[req - 1]
-        metadata[part, :5] = (begin_req, begin_token, end_req, end_token, begin_split)
+        metadata[part, :6] = (begin_req, begin_token, end_req, end_token, begin_split, -1 if topk is None else topk)
 
     # FlashMLA asserts the same on the device: the payload leaves no work unassigned.
     if (req, page, split) != (batch, 0, 0):
@@ -147,7 +161,8 @@ def parts_work(metadata, seqlens, block_n: int = PAGE_BLOCK_SIZE) -> list[WorkIt
 
     Args:
         metadata: ``[num_sm_parts, 8]`` ints, from ``schedule`` or copied from the GPU.
-        seqlens: ints ``[batch]``, the lengths the metadata was computed for.
+        seqlens: ints ``[batch]``, the lengths the metadata was computed for (with ``topk``:
+            ``topk`` for every request).
     """
     seqlens = _validated_seqlens(seqlens)
     items = []

@@ -9,19 +9,18 @@ The combine kernel and the workspace are the dense path's.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
-import threading
+import struct
 
 import cupy
 import numpy as np
 
-from . import checks, errors, interop, launch, programs, scheduler, tma
+from . import checks, errors, launch, programs, scheduler
 from .constants import BLOCK_M, COMBINE_WARPS, FP8_TOKEN_BYTES, HEAD_DIM_K, HEAD_DIM_V, SCHED_META_INTS, \
     SPARSE_PRODUCER_THREADS, SPLITKV_THREADS
 from .params import CombineParams, SplitKVParams
-from .plan import MLAWorkspace
+from .plan import COMBINE_POINTERS, SPLITKV_POINTERS, LaunchPlan, pointer_run
 
 _FP8_CACHE_DTYPES = ("uint8", "int8", "float8_e4m3fn")
 
@@ -47,6 +46,12 @@ class SparseInputs:
     def requests(self) -> int:       # every query token is a request of the kernel
         return self.batch * self.s_q
 
+    h_kv = 1                         # the dense call's names, for LaunchPlan's copy of q
+
+    @property
+    def heads_per_kv(self) -> int:
+        return self.h_q
+
 
 def _optional(x, name: str, dtype, shape: tuple):
     if x is None:
@@ -60,9 +65,8 @@ def _optional(x, name: str, dtype, shape: tuple):
 
 
 def sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, causal, is_fp8_kvcache,
-                  indices, attn_sink, topk_length) -> tuple[SparseInputs, tuple]:
-    """Checked arguments of a sparse call, and the arrays (q, k_cache, indices, topk_length,
-    attn_sink, metadata, num_splits) as CuPy arrays (None where absent)."""
+                  indices, attn_sink, topk_length) -> SparseInputs:
+    """The checked sizes of a sparse call (every argument checked but for the values inside)."""
     if is_fp8_kvcache is not True:
         raise ValueError("indices (sparse decoding) needs the FP8 cache: pass is_fp8_kvcache=True "
                          f"(k_cache [num_blocks, page_block_size, 1, {FP8_TOKEN_BYTES}] bytes); got {is_fp8_kvcache!r}")
@@ -127,35 +131,35 @@ def sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, c
     if scale * math.log2(math.e) > float(np.finfo(np.float32).max):
         raise ValueError(f"softmax_scale must be at most float32 max / log2(e); got {softmax_scale!r}")
 
-    a = SparseInputs(batch, s_q, h_q, topk, num_blocks, page, k_cache.strides[0],
-                     (indices.strides[0] // 4, indices.strides[1] // 4), tuple(q.strides), scale, parts,
-                     topk_length is not None, attn_sink is not None)
-    return a, (q, k_cache, indices, topk_length, attn_sink, metadata, num_splits)
+    return SparseInputs(batch, s_q, h_q, topk, num_blocks, page, k_cache.strides[0],
+                        (indices.strides[0] // 4, indices.strides[1] // 4), tuple(q.strides), scale, parts,
+                        topk_length is not None, attn_sink is not None)
 
 
-class SparsePlan:
+# The sparse kernels' pointer fields: the dense ones (block_table and seqlens unused) and theirs.
+_SPLITKV_POINTERS = pointer_run(SplitKVParams, SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink", "cache"))
+_COMBINE_POINTERS = pointer_run(CombineParams, COMBINE_POINTERS + ("attn_sink",))
+
+
+class SparsePlan(LaunchPlan):
     """Prebuilt launches of one sparse call layout (device, stream, shapes, strides)."""
 
-    def __init__(self, a: SparseInputs, stream_ptr: int):
+    workspace_call = "get_mla_workspace(q, k_cache, tile_scheduler_metadata, sparse=True)"
+
+    def __init__(self, a: SparseInputs, stream_ptr: int, family: str):
         self.inputs = a
-        self.device_id = cupy.cuda.runtime.getDevice()
-        self.stream_ptr = stream_ptr
-        self.record = errors.record(self.device_id)
-        self.dtype = checks.bfloat16()
-        self.out_shape = (a.batch, a.s_q, a.h_q, HEAD_DIM_V)
-        self.lse_shape = (a.batch, a.h_q, a.s_q)
-        # The kernel sees q as [requests][h_q][1][576]: in place when (batch, s_q) merge evenly.
+        # The kernel sees q as [requests][h_q][1][576]: in place when (batch, s_q) merge evenly,
+        # else copied into the workspace in that layout.
         s_b, s_s, s_h, _ = a.q_strides
         self.q_in_place = a.s_q == 1 or s_b == a.s_q * s_s
-        request_stride = s_s if a.s_q > 1 else s_b
-        self._q_map = ((a.requests, a.h_q, 1, HEAD_DIM_K), (request_stride, s_h, s_h * a.h_q, 2))
-        self._q_address = None
-        self.workspace_signature = (self.device_id, a.requests, 1, a.h_q, 1, a.num_sm_parts, self.dtype)
-        self._workspace = None
-        self.splitkv = self.combine = None
-        self._lock = threading.Lock()
+        rows = (a.requests, a.h_q, 1, HEAD_DIM_K)
+        q_strides = (s_s if a.s_q > 1 else s_b, s_h, s_h * a.h_q, 2) if self.q_in_place else \
+            (a.h_q * HEAD_DIM_K * 2, HEAD_DIM_K * 2, a.h_q * HEAD_DIM_K * 2, 2)
+        super().__init__(stream_ptr, family, checks.bfloat16(), (a.batch, a.s_q, a.h_q, HEAD_DIM_V),
+                         (a.batch, a.h_q, a.s_q), (a.requests, 1, a.h_q, 1, a.num_sm_parts),
+                         [(SplitKVParams.tma_q.offset, rows, q_strides)])
 
-    def _prepare(self) -> None:
+    def _prepare_launches(self) -> None:
         a = self.inputs
         splitkv = launch.get_kernel(programs.splitkv_program(programs.SPARSE_FP8_TAG))
         combine = launch.get_kernel(programs.combine_program("bf16"))
@@ -179,50 +183,24 @@ class SparsePlan:
         c.batch, c.q_rows, c.h_kv, c.heads_per_kv, c.s_q, c.h_q = a.requests, a.h_q, 1, a.h_q, 1, a.h_q
         c.max_splits, c.total_splits, c.sparse_s_q = a.num_sm_parts, a.requests + a.num_sm_parts, a.s_q
 
-    def _output(self, x, name, shape, dtype):
-        if x is None:
-            with interop.on_stream(self.stream_ptr):
-                return cupy.empty(shape, dtype=dtype)
-        return checks.output_array(x, name, shape, dtype)
-
-    def run(self, arrays, out, lse, workspace):
-        errors.raise_pending(self.record)
-        a = self.inputs
-        q, k_cache, indices, topk_length, attn_sink, metadata, num_splits = arrays
-        out_arr = self._output(out, "out", self.out_shape, self.dtype)
-        lse_arr = self._output(lse, "lse", self.lse_shape, np.float32)
-        ws = workspace
-        if ws is None:
-            ws = self._workspace = self._workspace or MLAWorkspace(*self.workspace_signature[1:])
-        elif type(ws) is not MLAWorkspace or ws.signature != self.workspace_signature:
-            raise ValueError(f"workspace must come from get_mla_workspace(..., sparse=True) for this call "
-                             f"(signature {self.workspace_signature}); got {getattr(ws, 'signature', type(ws).__name__)}")
+    def run(self, pointers, q, out, lse, workspace):
+        """Launch both kernels for arrays of this plan's layout at ``pointers`` (q, k_cache,
+        indices, metadata, num_splits, topk_length, attn_sink; 0 where absent)."""
+        out, out_ptr, lse, lse_ptr, ws = self._begin_run(out, lse, workspace)
+        q_ptr, cache_ptr, indices_ptr, meta_ptr, splits_ptr, topk_length_ptr, sink_ptr = pointers
+        error_ptr = errors.kernel_pointer(self.record)
         with self._lock:
-            if self.splitkv is None:
-                self._prepare()
-            q_ptr = q.data.ptr
             if not self.q_in_place:
-                rows = ws.view("q_rows")
-                with interop.on_stream(self.stream_ptr):
-                    rows.reshape(q.shape)[...] = q
-                q_ptr = rows.data.ptr
-            if self._q_address != q_ptr:
-                shape, strides = self._q_map if self.q_in_place else (
-                    (a.requests, a.h_q, 1, HEAD_DIM_K), (a.h_q * HEAD_DIM_K * 2, HEAD_DIM_K * 2, a.h_q * HEAD_DIM_K * 2, 2))
-                raw = tma.rows_4d_at(q_ptr, self.dtype, shape, strides)
-                ctypes.memmove(self.splitkv.params_address + SplitKVParams.tma_q.offset, raw, len(raw))
-                self._q_address = q_ptr
-            p = self.splitkv.params
-            p.sched_meta, p.num_splits, p.lse, p.o = metadata.data.ptr, num_splits.data.ptr, lse_arr.data.ptr, out_arr.data.ptr
-            p.lse_accum, p.o_accum, p.error = ws.lse_accum_ptr, ws.o_accum_ptr, errors.kernel_pointer(self.record)
-            p.indices, p.cache = indices.data.ptr, k_cache.data.ptr
-            p.topk_length = topk_length.data.ptr if topk_length is not None else 0
-            p.attn_sink = attn_sink.data.ptr if attn_sink is not None else 0
+                q_ptr = self._copy_q_rows(q_ptr, q, ws)
+            self._update_map(0, q_ptr)
+            lse_accum_ptr, o_accum_ptr = ws.lse_accum_ptr, ws.o_accum_ptr
+            offset, fmt = _SPLITKV_POINTERS
+            struct.pack_into(fmt, self.splitkv.buffer, offset, 0, 0, meta_ptr, splits_ptr, lse_ptr, lse_accum_ptr,
+                             o_accum_ptr, out_ptr, error_ptr, indices_ptr, topk_length_ptr, sink_ptr, cache_ptr)
             self.splitkv()
-            c = self.combine.params
-            c.num_splits, c.lse_accum, c.o_accum, c.o, c.lse = num_splits.data.ptr, ws.lse_accum_ptr, ws.o_accum_ptr, \
-                out_arr.data.ptr, lse_arr.data.ptr
-            c.error, c.attn_sink = p.error, p.attn_sink
+            offset, fmt = _COMBINE_POINTERS
+            struct.pack_into(fmt, self.combine.buffer, offset, splits_ptr, lse_accum_ptr, o_accum_ptr, out_ptr,
+                             lse_ptr, error_ptr, sink_ptr)
             self.combine()
         errors.after_launch(self.record, self.stream_ptr)
-        return (out if out is not None else out_arr), (lse if lse is not None else lse_arr)
+        return out, lse

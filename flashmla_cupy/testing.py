@@ -171,7 +171,10 @@ class BadValue:
 
 
 SENTINEL = 0.5        # outputs start finite: NaN must come from the kernels, unwritten rows fail the reference
+# Metadata of another batch (ERROR_SCHEDULE) or of another kind of call (ERROR_METADATA_KIND:
+# dense vs sparse, another topk): both messages start with SCHEDULE_ERROR.
 SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_metadata"
+METADATA_KIND_ERROR = SCHEDULE_ERROR + " for this call: "
 
 # Every kind of int32 the kernels must survive (negative, just past the bound, huge, the extremes).
 BAD_LENGTHS = {       # cache_seqlens[request]: outside [0, 64 * block_table columns]
@@ -235,6 +238,8 @@ def finite_outputs(inp: MLACase):
 # Scheduler metadata of another batch: (name, edit of (metadata, num_splits, rng), whether the
 # kernels must report it). For a batch whose request 0 is split and started by SM part 0 (e.g.
 # lengths [3000, 100, 5000, 1, 0, 700] with 16 query rows), a wrong split index is always found.
+# Slot 5 of a row is the topk the metadata was computed for (-1: dense) and is checked before the
+# rest: the edits of the schedule itself (slots 0-4) leave it alone, so that they reach the kernel.
 FOREIGN_METADATA = [
     ("num_splits-1e9", lambda m, s, rng: s.fill(10**9), True),
     ("num_splits--5", lambda m, s, rng: s.fill(-5), True),
@@ -244,14 +249,16 @@ FOREIGN_METADATA = [
     ("metadata-begin_req--3", lambda m, s, rng: m[0].__setitem__(0, -3), True),
     ("metadata-all-idle", lambda m, s, rng: m[:, 0].fill(10**6), False),
     ("metadata-end-past-batch", lambda m, s, rng: (m[:, 2].fill(10**9), m[:, 3].fill(2**31 - 1)), False),
-    ("metadata-zeros", lambda m, s, rng: m.fill(0), False),
+    ("metadata-zeros", lambda m, s, rng: m[:, :5].fill(0), False),
+    ("metadata-all-zeros", lambda m, s, rng: m.fill(0), True),                 # topk 0 in every row
+    ("metadata-sparse-topk", lambda m, s, rng: m[:, 5].fill(2048), True),      # computed for sparse decoding
     # Parts that start at request >= 1 end before they begin: the kernel must not start loading
     # pages it will never wait for.
     ("metadata-end-before-begin", lambda m, s, rng: m[:, 2].fill(0), False),
-    ("metadata-random", lambda m, s, rng: m.__setitem__(slice(None), cupy.asarray(
-        rng.integers(-2**31, 2**31, m.shape, dtype=np.int64).astype(np.int32))), False),
-    ("both-random", lambda m, s, rng: (m.__setitem__(slice(None), cupy.asarray(
-        rng.integers(-4, 40, m.shape).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
+    ("metadata-random", lambda m, s, rng: m.__setitem__((slice(None), slice(0, 5)), cupy.asarray(
+        rng.integers(-2**31, 2**31, (m.shape[0], 5), dtype=np.int64).astype(np.int32))), False),
+    ("both-random", lambda m, s, rng: (m.__setitem__((slice(None), slice(0, 5)), cupy.asarray(
+        rng.integers(-4, 40, (m.shape[0], 5)).astype(np.int32))), s.__setitem__(slice(None), cupy.asarray(
             rng.integers(-4, 200, s.shape).astype(np.int32)))), False),
 ]
 

@@ -672,8 +672,43 @@ def test_sparse_valid_arguments_pass_every_check(fake_gpu):
     from flashmla_cupy import sparse
 
     args = sparse_args(fake_gpu.arrays)
-    inputs, _ = sparse.sparse_inputs(args["q"], args["k_cache"], 512, args["tile_scheduler_metadata"],
-                                     args["num_splits"], None, False, True, args["indices"], args["attn_sink"],
-                                     args["topk_length"])
+    inputs = sparse.sparse_inputs(args["q"], args["k_cache"], 512, args["tile_scheduler_metadata"],
+                                  args["num_splits"], None, False, True, args["indices"], args["attn_sink"],
+                                  args["topk_length"])
     assert (inputs.batch, inputs.s_q, inputs.h_q, inputs.topk, inputs.requests) == (B, SPARSE_S_Q, H_Q, SPARSE_TOPK,
                                                                                      B * SPARSE_S_Q)
+
+
+def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeypatch):
+    # The sparse call takes the dense call's fast path: the first call of a layout runs every
+    # check, later ones only write their arrays' addresses into the prebuilt launches; a call
+    # with another layout (an optional array left out, a wrong dtype) is checked again.
+    from flashmla_cupy import sparse, tma
+
+    monkeypatch.setattr(tma, "rows_4d_at", lambda *args: bytes(128))       # no driver here
+    checked = []
+    real_inputs = sparse.sparse_inputs
+    monkeypatch.setattr(sparse, "sparse_inputs", lambda *args: checked.append(1) or real_inputs(*args))
+    a = fake_gpu.arrays
+    args = sparse_args(a)
+    parts = args["tile_scheduler_metadata"].shape[0]
+    ws = mla.MLAWorkspace(B * SPARSE_S_Q, 1, H_Q, 1, parts, BF16, alloc=lambda n: a.empty((n,), np.uint8))
+    for call in range(3):
+        out, lse = a.empty((B, SPARSE_S_Q, H_Q, 512), BF16), a.empty((B, H_Q, SPARSE_S_Q), F32)
+        if call == 2:
+            args["topk_length"] = None
+        assert mla.flash_mla_with_kvcache(**args, out=out, lse=lse, workspace=ws) == (out, lse)
+        assert len(checked) == (1 if call < 2 else 2)
+        splitkv, combine = fake_gpu.launches[-2:]
+        p, c = splitkv.params, combine.params
+        assert (p.block_table, p.seqlens) == (0, 0)
+        assert (p.sched_meta, p.num_splits, p.indices, p.cache, p.attn_sink) == tuple(
+            args[k].data.ptr for k in ("tile_scheduler_metadata", "num_splits", "indices", "k_cache", "attn_sink"))
+        assert p.topk_length == (args["topk_length"].data.ptr if call < 2 else 0)
+        assert (p.o, p.lse, p.lse_accum, p.o_accum) == (out.data.ptr, lse.data.ptr, ws.lse_accum_ptr, ws.o_accum_ptr)
+        assert (c.o, c.lse, c.num_splits, c.attn_sink) == (p.o, p.lse, p.num_splits, p.attn_sink)
+        assert p.topk == SPARSE_TOPK and p.batch == c.batch == B * SPARSE_S_Q
+    with pytest.raises(TypeError, match=r"^q must have dtype bfloat16; got float16"):
+        mla.flash_mla_with_kvcache(**dict(args, q=a.empty((B, SPARSE_S_Q, H_Q, 576), F16)), out=out, lse=lse,
+                                   workspace=ws)
+    assert len(fake_gpu.launches) == 6

@@ -109,6 +109,24 @@ def test_scheduler_kernel_matches_model(trial):
     np.testing.assert_array_equal(cupy.asnumpy(num_splits), want_splits)
 
 
+@pytest.mark.parametrize("trial", range(8))
+def test_scheduler_kernel_matches_model_with_topk(trial):
+    """Sparse decoding's metadata: every query token is a request of topk tokens whatever
+    cache_seqlens holds (even negative lengths: only its length is read), topk in slot 5."""
+    rng = np.random.default_rng()
+    batch = int(rng.integers(1, 200))
+    seqlens = rng.integers(-2**31, 2**31, batch, dtype=np.int64).astype(np.int32)
+    s_q, h_q = [(1, 128), (2, 64), (1, 16), (4, 128)][trial % 4]
+    topk = int(rng.choice([1, 64, 128, 2048, 8192, int(rng.integers(1, 20000))]))
+    metadata, num_splits = flashmla_cupy.get_mla_metadata(cupy.asarray(seqlens), s_q * h_q, 1, h_q, True, topk)
+    parts = scheduler.num_sm_parts(cupy.cuda.Device().attributes["MultiProcessorCount"], h_q, 1)
+    want_meta, want_splits = scheduler.schedule(np.zeros(batch * s_q, np.int32), parts, topk=topk)
+    assert (want_meta[:, 5] == topk).all()
+    np.testing.assert_array_equal(cupy.asnumpy(metadata), want_meta)
+    np.testing.assert_array_equal(cupy.asnumpy(num_splits), want_splits)
+    flashmla_cupy.check_errors()                              # the lengths were not read
+
+
 
 # --- allocation-free calls and CUDA graphs ----------------------------------------------------
 

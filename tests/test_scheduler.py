@@ -3,9 +3,10 @@
 Random batches are scheduled and the result is checked against what the split-KV and combine
 kernels rely on: every page of every request processed exactly once, in order; split counts and
 split indices consistent; every part within its payload, and all but the last busy part nearly
-full. Two small schedules are worked out by hand. (tests/test_mla.py compares the model with the
-metadata kernel on the GPU.) Each test draws a fresh seed, printed (pytest shows it on failure);
-``FLASHMLA_CUPY_TEST_SEED`` replays one.
+full. Small schedules are worked out by hand. Sparse decoding's ``topk`` schedules every request
+as topk tokens long and records topk in slot 5 (-1 without). (tests/test_mla.py compares the
+model with the metadata kernel on the GPU.) Each test draws a fresh seed, printed (pytest shows
+it on failure); ``FLASHMLA_CUPY_TEST_SEED`` replays one.
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def rng():
     return np.random.default_rng(seed)
 
 
-def check_schedule(seqlens, parts, metadata, num_splits):
-    """Assert every invariant of a schedule of `seqlens` over `parts` parts."""
-    seqlens = np.asarray(seqlens)
+def check_schedule(seqlens, parts, metadata, num_splits, topk=None):
+    """Assert every invariant of a schedule of `seqlens` over `parts` parts (with `topk`: of
+    len(seqlens) requests of topk tokens each, sparse decoding)."""
+    seqlens = np.asarray(seqlens) if topk is None else np.full(len(seqlens), topk)
     batch = len(seqlens)
     pages = -(-seqlens // PAGE)
     payload = scheduler.payload(seqlens, parts)
@@ -36,7 +38,7 @@ def check_schedule(seqlens, parts, metadata, num_splits):
 
     assert metadata.dtype == np.int32 and metadata.shape == (parts, scheduler.SCHED_META_INTS), what
     assert num_splits.dtype == np.int32 and num_splits.shape == (batch + 1,), what
-    assert (metadata[:, 5:] == 0).all(), what
+    assert (metadata[:, 5] == (-1 if topk is None else topk)).all() and (metadata[:, 6:] == 0).all(), what
 
     items = scheduler.parts_work(metadata, seqlens)
     by_request = [[] for _ in range(batch)]
@@ -129,9 +131,9 @@ def test_hand_worked_example():
     seqlens = [100, 0, 1000, 64]
     assert scheduler.payload(seqlens, 3) == 18
     metadata, num_splits = scheduler.schedule(seqlens, 3)
-    np.testing.assert_array_equal(metadata, [[0, 0, 2, 64, 0, 0, 0, 0],
-                                             [2, 64, 2, 14 * 64, 1, 0, 0, 0],
-                                             [2, 14 * 64, 3, 64, 2, 0, 0, 0]])
+    np.testing.assert_array_equal(metadata, [[0, 0, 2, 64, 0, -1, 0, 0],
+                                             [2, 64, 2, 14 * 64, 1, -1, 0, 0],
+                                             [2, 14 * 64, 3, 64, 2, -1, 0, 0]])
     np.testing.assert_array_equal(num_splits, [0, 1, 2, 5, 6])
     W = scheduler.WorkItem
     assert scheduler.parts_work(metadata, seqlens) == [
@@ -147,9 +149,9 @@ def test_hand_worked_idle_parts():
     it whole; parts 1 and 2 are idle: begin at request 1 (= batch), end at request 0's end."""
     assert scheduler.payload([64], 3) == 10
     metadata, num_splits = scheduler.schedule([64], 3)
-    np.testing.assert_array_equal(metadata, [[0, 0, 0, 64, 0, 0, 0, 0],
-                                             [1, 0, 0, 64, 0, 0, 0, 0],
-                                             [1, 0, 0, 64, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(metadata, [[0, 0, 0, 64, 0, -1, 0, 0],
+                                             [1, 0, 0, 64, 0, -1, 0, 0],
+                                             [1, 0, 0, 64, 0, -1, 0, 0]])
     np.testing.assert_array_equal(num_splits, [0, 1])
 
 
@@ -163,6 +165,41 @@ def test_hand_worked_payload_floor():
                                                     [0, 640, 0, 960, 2], [0, 960, 0, 1280, 3]]
                                   + [[1, 0, 0, 1280, 0]] * 4)
     np.testing.assert_array_equal(num_splits, [0, 4])
+
+
+def test_hand_worked_sparse_topk():
+    """Sparse decoding: 3 query tokens with topk 2048 over 4 parts. The lengths given are ignored
+    (the kernel reads only how many there are): every request is 32 pages, cost 37, total 111;
+    payload ceil(111/4) + 5 = 33.
+    Part 0: request 0 does not fit: 33 - 5 = 28 pages (split 0), ends at token 1792.
+    Part 1: request 0's last 4 pages (9, 24 left, split 1), then 24 - 5 = 19 pages of request 1.
+    Part 2: request 1's last 13 pages (18, 15 left, split 1), then 10 pages of request 2.
+    Part 3: request 2's last 22 pages (27, split 1). Every row records topk 2048 in slot 5."""
+    metadata, num_splits = scheduler.schedule([-5, 0, 10**9], 4, topk=2048)
+    np.testing.assert_array_equal(metadata, [[0, 0, 0, 1792, 0, 2048, 0, 0],
+                                             [0, 1792, 1, 1216, 1, 2048, 0, 0],
+                                             [1, 1216, 2, 640, 1, 2048, 0, 0],
+                                             [2, 640, 2, 2048, 1, 2048, 0, 0]])
+    np.testing.assert_array_equal(num_splits, [0, 2, 4, 6])
+    check_schedule([0, 0, 0], 4, metadata, num_splits, topk=2048)
+
+
+def test_topk_schedules_every_request_as_topk_tokens(rng):
+    """With topk the model does what the metadata kernel does with uniform_seqlen = topk: every
+    request is topk tokens long whatever its given length (even a negative one), and slot 5
+    holds topk (-1 without)."""
+    for _ in range(40):
+        batch = int(rng.integers(1, 600))
+        seqlens = rng.integers(-2**31, 2**31, batch, dtype=np.int64).astype(np.int32)
+        topk = int(rng.choice([1, 63, 64, 65, 128, 512, 2048, *rng.integers(1, 20000, 2)]))
+        parts = int(rng.choice([1, 2, 66, 132, *rng.integers(1, 133, 2)]))
+        metadata, num_splits = scheduler.schedule(seqlens, parts, topk=topk)
+        check_schedule(seqlens, parts, metadata, num_splits, topk=topk)
+        dense_meta, dense_splits = scheduler.schedule(np.full(batch, topk), parts)
+        assert (dense_meta[:, 5] == -1).all()
+        np.testing.assert_array_equal(metadata[:, :5], dense_meta[:, :5])
+        np.testing.assert_array_equal(metadata[:, 6:], dense_meta[:, 6:])
+        np.testing.assert_array_equal(num_splits, dense_splits)
 
 
 def test_check_schedule_catches_corruption(rng):
@@ -227,6 +264,11 @@ def test_schedule_rejects_bad_arguments():
         scheduler.schedule([10, -1], 4)
     with pytest.raises(ValueError):
         scheduler.schedule([10], 0)
+    for topk in (0, -1, True, 2.0, 2**31):
+        with pytest.raises(ValueError, match="topk must be"):
+            scheduler.schedule([10], 4, topk=topk)
+    with pytest.raises(ValueError):
+        scheduler.schedule([], 4, topk=64)
 
 
 def test_schedule_of_huge_lengths_stays_in_int32():

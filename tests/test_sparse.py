@@ -3,9 +3,12 @@ the float64 reference on the dequantized cache, with FlashMLA's tolerances.
 
 Every case: a freshly quantized cache whose unreferenced token rows are NaN bytes, permuted
 token ids with skipped entries (-1, past the cache, INT_MIN) and duplicates, outputs poisoned
-with NaN before the call, every element checked.
+with NaN before the call, every element checked. Also: scheduler metadata computed for another
+topk, or for dense decoding, is reported by the kernel.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import ml_dtypes  # noqa: E402
 
 import flashmla_cupy  # noqa: E402
 from flashmla_cupy import quant, reference  # noqa: E402
-from flashmla_cupy.testing import poisoned  # noqa: E402
+from flashmla_cupy.testing import METADATA_KIND_ERROR, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.hopper
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -51,10 +54,16 @@ def largest_v(cache, ids) -> float:
     return float(np.abs(quant.dequantize_fp8_sparse(tokens[named], np.float32)[:, :512]).max())
 
 
-def run_and_check(case, softmax_scale=None):
+def run_and_check(case, softmax_scale=None, q_gaps=False):
+    """``q_gaps``: q is a view into a NaN-filled array with one more query token and 8 more heads
+    (the kernel reads it in place with s_q 1, from a copy in the workspace otherwise)."""
     q, cache, ids, lengths, sink = case
     b, s_q, h_q, _ = q.shape
     dev = [None if x is None else cupy.asarray(x) for x in (q, cache, ids, lengths, sink)]
+    if q_gaps:
+        wide = np.full((b, s_q + 1, h_q + 8, 576), np.nan, dtype=np.float32).astype(BF16)
+        wide[:, :s_q, :h_q] = q
+        dev[0] = cupy.asarray(wide)[:, :s_q, :h_q]
     seqlens = cupy.zeros((b,), dtype=np.int32)
     meta, splits = flashmla_cupy.get_mla_metadata(seqlens, s_q * h_q, 1, h_q, True, ids.shape[2])
     out = poisoned((b, s_q, h_q, 512), BF16)
@@ -111,6 +120,50 @@ def test_all_indices_invalid_gives_zero_and_inf():
     run_and_check((q, cache, ids, lengths, sink))
 
 
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_q_with_gaps_between_heads_tokens_and_requests(s_q):
+    rng = np.random.default_rng([13, s_q])
+    run_and_check(make_case(rng, 4, s_q, 64, 256, 64, 32, sink=True), q_gaps=True)
+
+
 def test_softmax_scale_and_large_batch_with_splits():
     rng = np.random.default_rng(11)
     run_and_check(make_case(rng, 2, 2, 128, 8192, 64, 300, invalid=0.3), softmax_scale=0.1)
+
+
+# --- scheduler metadata of another kind of call ------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("h_q", [64, 128])                  # 128: two m-blocks, a 2-CTA cluster
+@pytest.mark.parametrize("kind", ["other-topk", "dense"])
+def test_metadata_of_another_kind_is_reported(kind, h_q, mode):
+    """Metadata for another topk, or dense metadata of the same shapes, passes the host's shape
+    checks; the split-KV kernel compares the topk each row records with indices' last dimension
+    and reports the mismatch (at the call in "sync" mode, else by check_errors). A correct call
+    afterwards is right."""
+    rng = np.random.default_rng([21, h_q])
+    b, s_q, topk = 3, 2, 256
+    case = make_case(rng, b, s_q, h_q, topk, 64, 16)
+    q, cache, ids = (cupy.asarray(x) for x in case[:3])
+    if kind == "other-topk":
+        meta, splits = flashmla_cupy.get_mla_metadata(cupy.zeros((b,), np.int32), s_q * h_q, 1, h_q, True, 2 * topk)
+        want = f"they were computed for sparse decoding with topk={2 * topk}; "
+    else:   # a dense batch of b * s_q requests of h_q rows: the same shapes as the sparse call's
+        meta, splits = flashmla_cupy.get_mla_metadata(cupy.zeros((b * s_q,), np.int32), h_q, 1)
+        assert (meta.shape, splits.shape) == flashmla_cupy.metadata_shapes(b, s_q * h_q, 1, h_q, topk)
+        want = "they were computed for dense decoding (no topk); "
+    want += f"this sparse call needs topk={topk} (indices' last dimension)"
+    message = "^" + re.escape(METADATA_KIND_ERROR + want)
+    flashmla_cupy.check_errors()
+    with flashmla_cupy.value_checks(mode):
+        if mode == "sync":
+            with pytest.raises(ValueError, match=message):
+                flashmla_cupy.flash_mla_with_kvcache(q, cache, None, None, 512, meta, splits, is_fp8_kvcache=True,
+                                                     indices=ids)
+        else:
+            flashmla_cupy.flash_mla_with_kvcache(q, cache, None, None, 512, meta, splits, is_fp8_kvcache=True,
+                                                 indices=ids)
+            with pytest.raises(ValueError, match=message):
+                flashmla_cupy.check_errors()
+    flashmla_cupy.check_errors()                              # reported once, then cleared
+    run_and_check(case)

@@ -6,8 +6,8 @@ by the kernels: the outputs start finite), the other requests match the float64 
 the error is raised by the next call ("async", the default; or by ``check_errors()``), at the
 call ("sync"), or never ("off"). Also: a negative length into ``get_mla_metadata``, a bad value
 inside a request split over many SM parts (NaN through the combine kernel), scheduler metadata
-that does not belong to the batch, bad values in CUDA-graph replays, and, last, a correct call
-showing that the CUDA context survived all of it.
+that does not belong to the batch (or was computed for sparse decoding), bad values in CUDA-graph
+replays, and, last, a correct call showing that the CUDA context survived all of it.
 
 Every test leaves the error record clear (an autouse fixture checks before and after), so that no
 error leaks into another test. compute-sanitizer memcheck runs similar cases:
@@ -24,9 +24,9 @@ import pytest
 
 import flashmla_cupy
 from flashmla_cupy import errors
-from flashmla_cupy.testing import (FOREIGN_METADATA, PAGE, SCHEDULE_ERROR, SENTINEL, BadValue, apply_bad_value,
-                                   bad_value, bad_value_kinds, check_against_reference, check_bad_value_result,
-                                   finite_outputs, make_inputs, run_kernel)
+from flashmla_cupy.testing import (FOREIGN_METADATA, METADATA_KIND_ERROR, PAGE, SCHEDULE_ERROR, SENTINEL, BadValue,
+                                   apply_bad_value, bad_value, bad_value_kinds, check_against_reference,
+                                   check_bad_value_result, finite_outputs, make_inputs, run_kernel)
 
 pytestmark = pytest.mark.hopper
 
@@ -328,6 +328,29 @@ def test_metadata_of_another_batch_raises_at_the_call_in_sync_mode():
     out, lse = finite_outputs(inp)
     with flashmla_cupy.value_checks("sync"), pytest.raises(ValueError, match=f"^{SCHEDULE_ERROR}"):
         call(inp, meta, splits, False, out, lse)
+    flashmla_cupy.check_errors()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sparse_metadata_in_a_dense_call_is_reported(mode):
+    """Metadata computed for sparse decoding (s_q 1, h_q 16: the dense call's shapes) records its
+    topk in every row; the dense split-KV kernel finds it and reports it."""
+    inp = make_inputs(np.random.default_rng(16), [3000, 100, 5000, 1], 1, 16, 1, "bf16")
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 16, 1, 16, True, 2048)
+    assert (meta.shape, splits.shape) == flashmla_cupy.metadata_shapes(4, 16, 1)
+    message = "^" + re.escape(METADATA_KIND_ERROR + "they were computed for sparse decoding with topk=2048; "
+                              "this call is dense (no indices)")
+    out, lse = finite_outputs(inp)
+    with flashmla_cupy.value_checks(mode):
+        if mode == "sync":
+            with pytest.raises(ValueError, match=message):
+                call(inp, meta, splits, False, out, lse)
+        else:
+            call(inp, meta, splits, False, out, lse)
+            with pytest.raises(ValueError, match=message):
+                flashmla_cupy.check_errors()
+    out, lse = run_kernel(inp, causal=False)                    # a correct call afterwards
+    check_against_reference(inp, out, lse, False, "bf16")
     flashmla_cupy.check_errors()
 
 

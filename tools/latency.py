@@ -1,10 +1,12 @@
 """Small-batch latency of flash_mla_with_kvcache: back-to-back calls, host CPU time, CUDA graphs.
 
     python tools/latency.py [--batch 1,8,32] [--seqlen 4096] [--heads 128] [--s-q 1]
-                            [--inputs cupy,torch] [--value-checks async|sync|off]
+                            [--topk N] [--inputs cupy,torch] [--value-checks async|sync|off]
                             [--kernels] [--cprofile]
 
-Each row is one shape and one way of calling (``--inputs``):
+Dense calls (bf16/fp16 cache, causal) unless ``--topk`` asks for sparse decoding: the FP8 cache,
+``topk`` distinct indices per query token among ``--seqlen`` tokens per request, attn_sink (the
+profiler's sparse inputs). Each row is one shape and one way of calling (``--inputs``):
   cupy       the default call on CuPy arrays (outputs allocated by the call)
   cupy-out   the same with out=, lse= and workspace= preallocated (allocation-free)
   torch      flashmla_cupy.flash_mla (the torch drop-in) on torch tensors, torch's current stream
@@ -36,14 +38,21 @@ from flashmla_cupy import mla
 from flashmla_cupy.testing import DTYPES
 
 
-def inputs(batch, seqlen, h_q, s_q, dtype):
+def inputs(batch, seqlen, h_q, s_q, dtype, topk):
+    """``(q, k_cache, block_table, cache_seqlens, keyword arguments)`` of one call."""
+    if topk:
+        from flashmla_cupy.profiler.inputs import make_sparse_inputs
+        from flashmla_cupy.profiler.shapes import SparseShape
+        x = make_sparse_inputs(SparseShape(batch, h_q, s_q, seqlen, topk))
+        return x.q, x.k_cache, None, x.cache_seqlens, dict(is_fp8_kvcache=True, indices=x.indices,
+                                                           attn_sink=x.attn_sink)
     pages = -(-seqlen // 64)
     gen = cupy.random.default_rng(0)
     q = gen.standard_normal((batch, s_q, h_q, 576), dtype=np.float32).astype(dtype)
     k_cache = gen.standard_normal((batch * pages, 64, 1, 576), dtype=np.float32).astype(dtype)
     block_table = cupy.asarray(np.random.default_rng(0).permutation(batch * pages).astype(np.int32).reshape(batch, pages))
     seqlens = cupy.full((batch,), seqlen, dtype=np.int32)
-    return q, k_cache, block_table, seqlens
+    return q, k_cache, block_table, seqlens, dict(causal=True)
 
 
 def gpu_us_per_call(fn, stream, n=200, rounds=15) -> float:
@@ -72,30 +81,31 @@ def host_us_per_call(fn, stream, n=2000) -> float:
     return statistics.median(times) * 1e6
 
 
-def _calls(kind, batch, seqlen, h_q, s_q, dtype):
-    """The call to time for one way of calling (see the module docstring), and a graph-capturable
-    variant or None."""
-    q, k_cache, block_table, seqlens = inputs(batch, seqlen, h_q, s_q, dtype)
+def _calls(kind, batch, seqlen, h_q, s_q, dtype, topk):
+    """The call to time for one way of calling (see the module docstring), its metadata and
+    num_splits."""
+    q, k_cache, block_table, seqlens, options = inputs(batch, seqlen, h_q, s_q, dtype, topk)
+    sparse = dict(num_heads_q=h_q, is_fp8_kvcache=True, topk=topk) if topk else {}
     if kind == "torch":
         import torch
         from flashmla_cupy import flash_mla
-        q, k_cache, block_table, seqlens = (torch.from_dlpack(x) for x in (q, k_cache, block_table, seqlens))
-        meta, splits = flash_mla.get_mla_metadata(seqlens, s_q * h_q, 1)
+        q, k_cache, block_table, seqlens = (None if x is None else torch.from_dlpack(x)
+                                            for x in (q, k_cache, block_table, seqlens))
+        options = {k: torch.from_dlpack(v) if isinstance(v, cupy.ndarray) else v for k, v in options.items()}
+        meta, splits = flash_mla.get_mla_metadata(seqlens, s_q * h_q, 1, **sparse)
         return (lambda: flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
-                                                         causal=True)), meta, splits
-    meta, splits = flashmla_cupy.get_mla_metadata(seqlens, s_q * h_q, 1)
-    if kind == "cupy":
-        return (lambda: flashmla_cupy.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
-                                                             causal=True)), meta, splits
-    out = cupy.empty((batch, s_q, h_q, 512), dtype=dtype)
-    lse = cupy.empty((batch, h_q, s_q), dtype=np.float32)
-    ws = flashmla_cupy.get_mla_workspace(q, k_cache, meta)
+                                                         **options)), meta, splits
+    meta, splits = flashmla_cupy.get_mla_metadata(seqlens, s_q * h_q, 1, **sparse)
+    if kind == "cupy-out":
+        options.update(out=cupy.empty((batch, s_q, h_q, 512), dtype=q.dtype),
+                       lse=cupy.empty((batch, h_q, s_q), dtype=np.float32),
+                       workspace=flashmla_cupy.get_mla_workspace(q, k_cache, meta, sparse=bool(topk)))
     return (lambda: flashmla_cupy.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
-                                                         causal=True, out=out, lse=lse, workspace=ws)), meta, splits
+                                                         **options)), meta, splits
 
 
-def measure(kind, batch, seqlen, h_q, s_q, dtype, stream, cprofile=False, kernels=False):
-    call, meta, splits = _calls(kind, batch, seqlen, h_q, s_q, dtype)
+def measure(kind, batch, seqlen, h_q, s_q, dtype, topk, stream, cprofile=False, kernels=False):
+    call, meta, splits = _calls(kind, batch, seqlen, h_q, s_q, dtype, topk)
     for _ in range(20):
         call()
     stream.synchronize()
@@ -148,6 +158,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--topk", type=int, default=0, help="sparse decoding over the FP8 cache, topk indices per token")
     ap.add_argument("--inputs", default="cupy,cupy-out,torch",
                     help="ways of calling, comma-separated: cupy, cupy-out, torch (default: all)")
     ap.add_argument("--value-checks", choices=["async", "sync", "off"], default=None,
@@ -157,14 +168,14 @@ def main() -> None:
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     mode = args.value_checks or flashmla_cupy.value_check_mode()
-    print(f"value checks: {mode}")
+    print(f"value checks: {mode}" + (f"; sparse decoding, topk {args.topk}" if args.topk else ""))
     print(f"{'inputs':>8} {'b':>4} {'s_k':>6} {'h_q':>4} {'s_q':>3} {'splits':>6} "
           f"{'eager us/call':>14} {'cpu us/call':>12} {'python us/call':>15} {'graph us/call':>14}"
           + (f" {'splitkv us':>11} {'combine us':>11}" if args.kernels else ""))
     with stream, flashmla_cupy.value_checks(mode), _torch_on(stream):
         for kind in args.inputs.split(","):
             for batch in [int(x) for x in args.batch.split(",")]:
-                r = measure(kind, batch, args.seqlen, args.heads, args.s_q, DTYPES[args.dtype], stream,
+                r = measure(kind, batch, args.seqlen, args.heads, args.s_q, DTYPES[args.dtype], args.topk, stream,
                             args.cprofile, args.kernels)
                 print(f"{kind:>8} {batch:>4} {args.seqlen:>6} {args.heads:>4} {args.s_q:>3} {r['splits']:>6} "
                       f"{r['eager']:>14.1f} {r['cpu']:>12.1f} {r['python']:>15.1f} {r['graph']:>14.1f}"

@@ -28,7 +28,8 @@ static_assert(kPageBlock == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "on
 // Tile scheduler: a request costs its number of pages plus this constant (its setup and
 // epilogue); each SM part gets about the same total cost.
 constexpr int kFixedOverheadBlocks = FLASHMLA_FIXED_OVERHEAD_BLOCKS;
-constexpr int kSchedMetaInts = FLASHMLA_SCHED_META_INTS;   // [begin_req, begin_token, end_req, end_token, begin_split, -, -, -]
+// Per SM part: [begin_req, begin_token, end_req, end_token, begin_split, topk (-1: dense), 0, 0]
+constexpr int kSchedMetaInts = FLASHMLA_SCHED_META_INTS;
 
 // DeepSeek-V3.2's FP8 cache token: 512 float8_e4m3 NoPE values, a float32 scale per 128 of
 // them, 64 bf16 RoPE values.

@@ -3,8 +3,10 @@
 // A request costs (its pages + kFixedOverheadBlocks); every part gets a payload of about
 // total_cost / num_sm_parts. Walking the requests in order, a part takes whole requests while they
 // fit and otherwise the part of the next request that fits, which becomes one "split" of it.
-// Output per part: [begin_req, begin_token, end_req, end_token, begin_split, 0, 0, 0]; and
-// num_splits[i] = number of splits of requests < i (prefix sums, num_splits[0] = 0).
+// Output per part: [begin_req, begin_token, end_req, end_token, begin_split, topk, 0, 0], where
+// topk is uniform_seqlen (sparse decoding: indices' last dim; -1 for dense decoding), which the
+// split-KV kernel compares with its call's; and num_splits[i] = number of splits of requests < i
+// (prefix sums, num_splits[0] = 0).
 // flashmla_cupy/scheduler.py is the same algorithm in Python; the tests compare the two.
 //
 // Any int32 length is safe: a negative one is reported and scheduled as 0 (the split-KV kernel
@@ -73,7 +75,7 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
         out[0] = make_int4(begin_req, begin_token,
                            page > 0 ? req : req - 1,
                            page > 0 ? page * p.block_n : max(request_len(p, req - 1), 0));
-        out[1] = make_int4(begin_split, 0, 0, 0);
+        out[1] = make_int4(begin_split, p.uniform_seqlen, 0, 0);
     }
 }
 

@@ -16,7 +16,7 @@ struct SplitKVParams {
     TensorMap tma_kv;             // KV cache as [num_blocks][64][h_kv][576], box 64 x 64
     const int* block_table;       // [batch][block_table_stride]
     const int* seqlens;           // [batch]
-    const int* sched_meta;        // [num_sm_parts][8]
+    const int* sched_meta;        // [num_sm_parts][8] (layout: config.cuh, kSchedMetaInts)
     const int* num_splits;        // [batch + 1], prefix sums of splits per request
     float* lse;                   // [batch][h_q][s_q], natural log
     float* lse_accum;             // [total_splits][h_kv][q_rows], log2
@@ -78,7 +78,8 @@ struct MetadataParams {
     int block_n;
     int fixed_overhead_blocks;
     int num_sm_parts;
-    int uniform_seqlen;           // >= 0: every request has this length (sparse: topk), seqlens unread
+    int uniform_seqlen;           // >= 0: every request has this length (sparse: topk), seqlens unread;
+                                  // -1: dense. Written into every part's slot 5 (the call checks it)
 };
 
 #if !defined(FLASHMLA_SPLITKV_PARAMS_BYTES) || !defined(FLASHMLA_COMBINE_PARAMS_BYTES) || \

@@ -22,7 +22,9 @@
 // a request whose length is outside [0, 64 * block_table columns] or that uses a block id outside
 // the cache reads nothing past its arrays (block 0 stands in for a bad id) and gets NaN in its
 // out / lse rows; the first such value goes to the error record (common/error.cuh). Bad
-// scheduler metadata is skipped the same way.
+// scheduler metadata is skipped the same way; metadata computed for another kind of call (its
+// scheduled topk, slot 5, is not this call's topk, or -1 for dense) is reported and its part
+// does nothing.
 #include <cute/tensor.hpp>
 
 #include "common/error.cuh"
@@ -356,7 +358,7 @@ struct SplitKVCta {
     // each compiled apart so that ptxas keeps it within its own register budget; -1: dense.
     template <int kRole>
     __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
-        uint32_t phase_q = 0, phase0 = 0, phase1 = 0;   // dense: TMA phases of Q and the page buffers
+        uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
         uint32_t kv_phase = 0;                           // sparse: bit b, the phase of page buffer b
         if (threadIdx.x == 0) {
             load_q(begin_req);
@@ -387,8 +389,7 @@ struct SplitKVCta {
             clear(o);
             if (!T::kSparse && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
-            mbarrier_wait(bar_q, phase_q);
-            phase_q ^= 1;
+            mbarrier_wait(bar_q, (req - begin_req) & 1);   // Q's phase from the count: one register less
             if constexpr (T::kSparse) {
                 q_nope_to_fp16();
                 if constexpr (kRole == 0) {
@@ -476,13 +477,22 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
     pdl_wait_for_producers();
     const int* meta = p.sched_meta + blockIdx.z * kSchedMetaInts;
     const int4 range = *reinterpret_cast<const int4*>(meta);   // begin_req, begin_token, end_req, end_token
+    const int4 kind = *reinterpret_cast<const int4*>(meta + 4);   // begin_split, scheduled topk (-1: dense), -, -
+    // Metadata of another kind of call (dense vs sparse, another topk): every CTA of a cluster
+    // reads the same row, so all of them return here.
+    if (kind.y != (kSparse ? p.topk : -1)) {
+        if (threadIdx.x == 0) {
+            report_error(p.error, FLASHMLA_ERROR_METADATA_KIND, blockIdx.z, 0, kind.y, kSparse ? p.topk : -1);
+        }
+        return;
+    }
     const int begin_req = range.x, end_req = min(range.z, p.batch - 1);
     if (begin_req >= p.batch) return;                          // an idle part
     if (begin_req < 0 || end_req < begin_req) {                // not this batch's metadata: nothing loaded yet
         if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, begin_req, 0, range.z, p.batch);
         return;
     }
-    const int begin_split = meta[4];
+    const int begin_split = kind.x;
 
     if constexpr (kSparse) {
         if (threadIdx.x >= T::kConsumerThreads) {

@@ -74,6 +74,9 @@ template <bool kMask, bool kTokenMask, typename FragS>
 __device__ __forceinline__ float masked_row_max(FragS& s, int half, int first_token, int border,
                                                 uint64_t token_valid, float scale_log2, int idx_in_wg) {
     float mx = kMaskedScore;
+    // This thread's columns are fragment_col(0) plus compile-time offsets: one shift here leaves
+    // constant bit tests below (per-column shift amounts in registers spill under older ptxas).
+    const uint64_t my_valid = token_valid >> fragment_col(0, idx_in_wg);
     CUTE_UNROLL
     for (int i = half * 2; i < size(s); i += 4) {
         CUTE_UNROLL
@@ -82,7 +85,7 @@ __device__ __forceinline__ float masked_row_max(FragS& s, int half, int first_to
                 if (first_token + fragment_col(i + e, idx_in_wg) >= border) s(i + e) = kMaskedScore;
             }
             if constexpr (kTokenMask) {
-                if (!((token_valid >> fragment_col(i + e, idx_in_wg)) & 1)) s(i + e) = kMaskedScore;
+                if (!((my_valid >> fragment_col(i + e, 0)) & 1)) s(i + e) = kMaskedScore;
             }
             mx = fmaxf(mx, s(i + e));
         }
