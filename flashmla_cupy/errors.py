@@ -82,6 +82,9 @@ def value_checks(mode):
         _mode = previous
 
 
+_ROW_ERRORS = (constants.ERROR_SEQLEN_NEGATIVE, constants.ERROR_SEQLEN_RANGE, constants.ERROR_BLOCK_ID)
+
+
 class ErrorRecord:
     """One device's record: 32 bytes of pinned host memory mapped into the device's address
     space. The host reads ``words`` directly (no CUDA call)."""
@@ -103,9 +106,12 @@ class ErrorRecord:
         code = w[_CODE]
         if not code:
             return None
+        # A bad length or block id spoils its request's rows (NaN); metadata of another batch or
+        # call leaves parts of the work undone, so nothing of that call's output can be trusted.
+        spoiled = ("affected out/lse rows are NaN" if code in _ROW_ERRORS else "out and lse are not valid")
         error = ValueError(describe(code, w[_INDEX0], w[_INDEX1], w[_VALUE], w[_BOUND]) +
                            f" (found on device {self.device_id} by a kernel of an earlier flashmla_cupy call, "
-                           f"whose affected out/lse rows are NaN; see 'Value checks' in the README)")
+                           f"whose {spoiled}; see 'Value checks' in the README)")
         w[_CODE] = 0
         w[_CLAIMED] = 0
         return error

@@ -464,6 +464,9 @@ def test_environment_variable_with_a_bad_mode_says_so():
      "block_table[1, 0] must be a block of k_cache (0 <= id < 4), since request 1 uses it; got 4"),
     (constants.ERROR_SCHEDULE, (3, 0, 77, 10), "tile_scheduler_metadata and num_splits must come from "
      "get_mla_metadata of this batch (request 3: split 77 outside [0, 10))"),
+    (constants.ERROR_METADATA_KIND, (2, 0, -1, 2048), "tile_scheduler_metadata and num_splits must come from "
+     "get_mla_metadata for this call: they were computed for dense decoding (no topk); this sparse call needs "
+     "topk=2048 (indices' last dimension)"),
 ])
 def test_error_record_reports_once_and_clears(code, fields, words, monkeypatch):
     monkeypatch.setattr(errors, "_mode", "async")
@@ -475,6 +478,9 @@ def test_error_record_reports_once_and_clears(code, fields, words, monkeypatch):
     with pytest.raises(ValueError) as e:
         errors.raise_pending(record)
     assert str(e.value).startswith(words) and "found on device 0" in str(e.value)
+    metadata = code in (constants.ERROR_SCHEDULE, constants.ERROR_METADATA_KIND)
+    spoiled = "out and lse are not valid" if metadata else "affected out/lse rows are NaN"
+    assert spoiled in str(e.value)
     assert list(record.words) == [0, 0, *fields, 0, 0]     # code and claim cleared: the next error can land
     errors.raise_pending(record)
 
