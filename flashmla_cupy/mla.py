@@ -177,7 +177,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     from_torch = layout is not None and layout[0][0] == "torch"
     if layout is None:      # other or mixed array types: CuPy views of each, on every call
         from_torch = any(type(x) is interop.torch_tensor_type() for x in arrays)
-        arrays = tuple(x if x is None else checks.device_view(x, name) for x, name in zip(arrays, names))
+        arrays = tuple(x if x is None and name in _OPTIONAL_ARRAYS else checks.device_view(x, name)
+                       for x, name in zip(arrays, names))
         layout = layout_key(arrays)
     key = (device_id, stream_ptr, head_dim_v, type(head_dim_v), softmax_scale, type(softmax_scale),
            causal, type(causal), is_fp8_kvcache, type(is_fp8_kvcache), layout[0])
@@ -191,6 +192,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
 
 _DENSE_ARRAYS = ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")
 _SPARSE_ARRAYS = ("q", "k_cache", "indices", "tile_scheduler_metadata", "num_splits", "topk_length", "attn_sink")
+_OPTIONAL_ARRAYS = ("topk_length", "attn_sink")
 
 
 def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = False, alloc=None) -> MLAWorkspace:

@@ -718,3 +718,13 @@ def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeyp
         mla.flash_mla_with_kvcache(**dict(args, q=a.empty((B, SPARSE_S_Q, H_Q, 576), F16)), out=out, lse=lse,
                                    workspace=ws)
     assert len(fake_gpu.launches) == 6
+
+
+@pytest.mark.parametrize("sparse_call", [False, True])
+@pytest.mark.parametrize("name", ["q", "k_cache", "tile_scheduler_metadata"])
+def test_a_missing_array_is_named(name, sparse_call, fake_gpu):
+    # None where an array is required: the first call of a layout names it (any position).
+    args = sparse_args(fake_gpu.arrays) if sparse_call else mla_args(fake_gpu.arrays)
+    with pytest.raises(TypeError, match=rf"^{name} must be a GPU array"):
+        mla.flash_mla_with_kvcache(**dict(args, **{name: None}))
+    assert fake_gpu.launches == []
