@@ -30,7 +30,7 @@ import cupy
 import numpy as np
 
 from . import interop, scheduler
-from .constants import HEAD_DIM_K, HEAD_DIM_V, PAGE_BLOCK_SIZE, SCHED_META_INTS
+from .constants import HEAD_DIM_K, HEAD_DIM_V, SCHED_META_INTS
 
 _DLPACK_CUDA_DEVICES = (2, 13)    # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is pinned host memory)
 _CUDA_DEVICE_MEMORY = (cupy.cuda.runtime.memoryTypeDevice, cupy.cuda.runtime.memoryTypeManaged)
@@ -258,7 +258,7 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
         require_dtype(arr, name, [np.int32])
 
     require_ndim(q, "q", 4, "[batch, s_q, h_q, 576]")
-    require_ndim(k_cache, "k_cache", 4, "[num_blocks, 64, h_kv, 576]")
+    require_ndim(k_cache, "k_cache", 4, "[num_blocks, page_block_size, h_kv, 576]")
     require_ndim(block_table, "block_table", 2, "[batch, max_blocks_per_seq]")
     require_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
 
@@ -270,15 +270,16 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
         raise ValueError(f"k_cache must have head dim (axis 3) {HEAD_DIM_K}; got shape {tuple(k_cache.shape)}")
     if require_int(head_dim_v, "head_dim_v", 1) != HEAD_DIM_V:
         raise ValueError(f"head_dim_v must be {HEAD_DIM_V}; got {head_dim_v}")
-    if page != PAGE_BLOCK_SIZE:
-        raise ValueError(f"k_cache must have page block size (axis 1) {PAGE_BLOCK_SIZE}; "
+    if page & (page - 1):                  # 0 is caught below, with num_blocks
+        raise ValueError(f"k_cache must have a power-of-two page block size (axis 1: 1, 2, 4, ..., 64, 128, ...); "
                          f"got shape {tuple(k_cache.shape)}")
     if batch == 0:
         raise ValueError(f"q must hold at least one request (batch, axis 0, >= 1); got shape {tuple(q.shape)}")
     if s_q == 0:
         raise ValueError(f"q must hold at least one query token (s_q, axis 1, >= 1); got shape {tuple(q.shape)}")
-    if num_blocks == 0 or h_kv == 0:
-        raise ValueError(f"k_cache must hold at least one block (axis 0) and one head (axis 2); "
+    if num_blocks == 0 or page == 0 or h_kv == 0:
+        raise ValueError(f"k_cache must hold at least one block (axis 0) of at least one token (axis 1) "
+                         f"and one head (axis 2); "
                          f"got shape {tuple(k_cache.shape)}")
     if h_q == 0 or h_q % h_kv:
         raise ValueError(f"q must have a positive multiple of k_cache's {h_kv} heads (axis 2); "

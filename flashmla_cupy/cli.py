@@ -25,6 +25,7 @@ examples:
   flashmla-cupy profile --heads 128 --s-q 1 --varlen off --baseline cupy --csv out.csv --plot out.png
   flashmla-cupy profile --quick --inputs torch --baseline flash_mla    torch tensors, FlashMLA side by side
   flashmla-cupy profile --quick --value-checks off                   the default call without value checks
+  flashmla-cupy profile --quick --page-size 1,16,64,256 --check      each shape at four KV-cache page sizes
   flashmla-cupy profile sparse --quick --check   DeepSeek-V3.2 sparse FP8 decoding, two production rows
   flashmla-cupy profile attention            the minimal FlashAttention kernel against manual attention
   flashmla-cupy compile --arch sm_90a        build every kernel without a GPU
@@ -38,6 +39,18 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _page_sizes(text: str) -> list[int]:
+    from .profiler.shapes import is_page_size
+
+    try:
+        values = _int_list(text)
+    except argparse.ArgumentTypeError:        # not integers, or not positive: the same answer
+        values = []
+    if not values or not all(is_page_size(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected powers of two (1, 2, 4, ..., 64, 128, 256, ...), got {text!r}")
     return values
 
 
@@ -96,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--topk", type=_int_list, metavar="K[,K...]",
                    help="sparse: cache tokens each query token attends to (production rows: 2048, 16384)")
     g.add_argument("--h-kv", dest="h_kv", type=_positive_int, default=1, help="KV heads (default 1)")
+    g.add_argument("--page-size", dest="page_sizes", type=_page_sizes, metavar="P[,P...]",
+                   help="MLA: tokens per KV-cache page, powers of two (default 64, the seed's); every shape runs "
+                        "at each size given, with the same cache lengths. --baseline flash_mla is n/a at sizes "
+                        "other than 64 (FlashMLA takes 64 only). Not for sparse")
     g.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=64,
                    help="attention head dim (default 64)")
     g.add_argument("--varlen", choices=("on", "off", "both"), default="both",
@@ -123,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLA: also time another implementation on the same buffers in the same process, "
                         "with a speed-up column (its time / ours): flash_mla = FlashMLA's own "
                         "flash_mla_with_kvcache (the flash_mla package, seed or upstream API; skipped with the "
-                        "reason when it is not importable), cupy = the plain CuPy implementation "
-                        "(flashmla_cupy.baselines); default none. attention always compares with manual attention; "
-                        "sparse has none (on an H200, FlashMLA's times from another run stand beside it)")
+                        "reason when it is not importable, n/a at page sizes other than 64), cupy = the plain "
+                        "CuPy implementation (flashmla_cupy.baselines); default none. attention always compares "
+                        "with manual attention; sparse has none (on an H200, FlashMLA's times from another run "
+                        "stand beside it)")
     o.add_argument("--inputs", choices=("cupy", "torch"), default="cupy",
                    help="MLA: what the timed call gets: cupy = CuPy arrays, flashmla_cupy.flash_mla_with_kvcache "
                         "(default); torch = torch tensors viewing the same buffers (DLPack), through the drop-in "
@@ -211,11 +229,13 @@ def _mla_shapes(args):
     from .profiler import shapes as shp
 
     causal = True if args.causal is None else args.causal
+    page_sizes = args.page_sizes or (shp.PAGE_BLOCK,)
     if args.quick:
-        return shp.quick_grid(h_kv=args.h_kv, causal=causal, dtype=args.dtype, seed=args.seed)
+        return shp.quick_grid(page_sizes=page_sizes, h_kv=args.h_kv, causal=causal, dtype=args.dtype,
+                              seed=args.seed)
     varlens = {"on": (True,), "off": (False,), "both": (False, True)}[args.varlen]
     return shp.mla_grid(args.batch or shp.SEED_BATCHES, args.seqlens or shp.SEED_SEQLENS,
-                        args.heads or shp.SEED_HEADS, args.s_q or shp.SEED_S_Q, varlens,
+                        args.heads or shp.SEED_HEADS, args.s_q or shp.SEED_S_Q, varlens, page_sizes=page_sizes,
                         h_kv=args.h_kv, causal=causal, dtype=args.dtype, seed=args.seed)
 
 
@@ -259,6 +279,9 @@ def _sparse_refusal(args) -> str | None:
         return f"--inputs {args.inputs} is not available for sparse: it times CuPy arrays"
     if args.plot:
         return "--plot is not available for sparse: its rows are production shapes, not a sweep to draw"
+    if args.page_sizes:
+        return ("--page-size is not available for sparse: the call reads the tokens its indices name "
+                "(block · page size + offset), so the page size only reshapes the same cache")
     return None
 
 
@@ -327,6 +350,8 @@ def cmd_profile(args) -> int:
             out.print(f"[cyan]note[/] {n}: {notes.pop()}", highlight=False)
     for n, why in result.skipped_targets.items():
         out.print(f"[yellow]skipped[/] {n}: {why}", highlight=False)
+    for line in report.skipped_lines(result.records):
+        out.print(f"[yellow]skipped[/] {line}", highlight=False)
     if result.interrupted:
         out.print("[yellow]interrupted: the table holds the shapes measured so far[/]")
     _export(args, kind, result, env, config, out)
@@ -372,8 +397,9 @@ def _run_with_progress(kind, shape_list, config, gpu, err):
 
 def _shape_text(kind: str, r: dict) -> str:
     if kind == "mla":
+        from .profiler.shapes import page_text
         return (f"b={r['batch']} s_k={r['mean_seqlen']}{'~' if r.get('varlen') else ''} "
-                f"h_q={r['h_q']} s_q={r['s_q']}")
+                f"h_q={r['h_q']} s_q={r['s_q']}{page_text(r['page_size'])}")
     if kind == "sparse":
         return f"b={r['batch']} h_q={r['h_q']} s_q={r['s_q']} s_k={r['s_k']} topk={r['topk']}"
     return f"B={r['batch']} H={r['heads']} N={r['seqlen']} d={r['head_dim']}"

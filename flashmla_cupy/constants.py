@@ -8,7 +8,7 @@ from __future__ import annotations
 
 HEAD_DIM_K = 576            # latent (512) + RoPE (64): a K row and a Q row
 HEAD_DIM_V = 512            # V is the first 512 columns of the same cache row
-PAGE_BLOCK_SIZE = 64        # tokens per KV-cache page
+BLOCK_N = 64                # tokens per split-KV step (the scheduler's unit); cache pages may be larger or smaller
 BLOCK_M = 64                # query rows (heads x MTP tokens) per split-KV CTA
 TMA_BOX = 64                # a TMA box is 64 rows x 64 columns (128 bytes of 16-bit values: one swizzle atom)
 SPLITKV_THREADS = 256       # two warpgroups
@@ -26,12 +26,12 @@ FP8_TOKEN_BYTES = HEAD_DIM_V + 4 * FP8_NUM_SCALES + 2 * HEAD_DIM_ROPE
 
 # Codes of the errors that the kernels record (errors.py turns them into messages).
 ERROR_SEQLEN_NEGATIVE = 1   # cache_seqlens[i] < 0 (metadata kernel)
-ERROR_SEQLEN_RANGE = 2      # cache_seqlens[i] outside [0, 64 * block_table columns] (split-KV kernel)
+ERROR_SEQLEN_RANGE = 2      # cache_seqlens[i] outside [0, page_block_size * block_table columns] (split-KV kernel)
 ERROR_BLOCK_ID = 3          # a block id the call reads is outside [0, num_blocks) (split-KV kernel)
 ERROR_SCHEDULE = 4          # metadata / num_splits inconsistent with this batch (split-KV, combine)
 ERROR_METADATA_KIND = 5     # metadata of another kind of call: other topk, dense vs sparse (split-KV kernel)
 
-_SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "PAGE_BLOCK_SIZE", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
+_SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "BLOCK_N", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
            "SPARSE_PRODUCER_THREADS",
            "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
            "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",

@@ -118,12 +118,12 @@ class ErrorRecord:
 
 
 def describe(code: int, index0: int, index1: int, value: int, bound: int) -> str:
-    page = constants.PAGE_BLOCK_SIZE
     if code == constants.ERROR_SEQLEN_NEGATIVE:
         return f"cache_seqlens[{index0}] must be >= 0; got {value}"
     if code == constants.ERROR_SEQLEN_RANGE:
-        return (f"cache_seqlens[{index0}] must be in [0, {bound * page}] (block_table holds {bound} pages "
-                f"of {page} tokens per request); got {value}")
+        # index1: k_cache's page block size; bound: block_table's columns.
+        return (f"cache_seqlens[{index0}] must be in [0, {bound * index1}] (block_table holds {bound} pages "
+                f"of {index1} tokens per request); got {value}")
     if code == constants.ERROR_BLOCK_ID:
         return (f"block_table[{index0}, {index1}] must be a block of k_cache (0 <= id < {bound}), since "
                 f"request {index0} uses it; got {value}")

@@ -169,8 +169,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
 
     Args:
         q: ``[batch, s_q, h_q, 576]``, torch.bfloat16 or torch.float16 (s_q > 1: MTP).
-        k_cache: ``[num_blocks, 64, h_kv, 576]`` in q's dtype: pages of 64 tokens; V is the first
-            512 columns of each row.
+        k_cache: ``[num_blocks, page_block_size, h_kv, 576]`` in q's dtype: pages of any
+            power-of-two size (FlashMLA: 64 only); V is the first 512 columns of each row.
         block_table: torch.int32 ``[batch, max_blocks_per_seq]``, each request's pages in order.
         cache_seqlens: torch.int32 ``[batch]``.
         head_dim_v: 512.

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, scheduler, sparse
-from .constants import FIXED_OVERHEAD_BLOCKS, PAGE_BLOCK_SIZE, SCHED_META_INTS
+from .constants import FIXED_OVERHEAD_BLOCKS, BLOCK_N, SCHED_META_INTS
 from .params import MetadataParams
 from .plan import CallPlan, LaunchPlan, MLAWorkspace, layout_key
 
@@ -104,7 +104,7 @@ def _metadata_launch(device_id: int, stream_ptr: int) -> launch.Launch:
     if run is None:
         run = launch.get_kernel(programs.metadata_program()).prepare((1, 1, 1), (32, 1, 1), MetadataParams,
                                                                      stream=stream_ptr)
-        run.params.block_n, run.params.fixed_overhead_blocks = PAGE_BLOCK_SIZE, FIXED_OVERHEAD_BLOCKS
+        run.params.block_n, run.params.fixed_overhead_blocks = BLOCK_N, FIXED_OVERHEAD_BLOCKS
         if len(_metadata_launches) >= _MAX_PLANS:
             _metadata_launches.clear()
         _metadata_launches[(device_id, stream_ptr)] = run
@@ -120,8 +120,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     Args:
         q: ``[batch, s_q, h_q, 576]``, ``ml_dtypes.bfloat16`` or ``float16``; s_q > 1 for MTP /
             speculative decoding.
-        k_cache: ``[num_blocks, 64, h_kv, 576]``, q's dtype; pages of 64 tokens. V is its first
-            512 columns (K and V share the latent).
+        k_cache: ``[num_blocks, page_block_size, h_kv, 576]``, q's dtype; pages of any
+            power-of-two size (FlashMLA: 64 only). V is its first 512 columns (K and V share the
+            latent).
         block_table: int32 ``[batch, max_blocks_per_seq]``, page ids of each request in order.
         cache_seqlens: int32 ``[batch]``, tokens per request (0 allowed).
         head_dim_v: 512.
@@ -206,7 +207,7 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = Fal
     k_cache = checks.as_device_array(k_cache, "k_cache")
     meta = checks.as_device_array(tile_scheduler_metadata, "tile_scheduler_metadata")
     checks.require_ndim(q, "q", 4, "[batch, s_q, h_q, 576]")
-    checks.require_ndim(k_cache, "k_cache", 4, "[num_blocks, 64, h_kv, 576]")
+    checks.require_ndim(k_cache, "k_cache", 4, "[num_blocks, page_block_size, h_kv, 576]")
     checks.require_ndim(meta, "tile_scheduler_metadata", 2, "[num_sm_parts, 8]")
     batch, s_q, h_q, _ = q.shape
     if sparse:

@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
-from .constants import BLOCK_M, COMBINE_WARPS, HEAD_DIM_K, HEAD_DIM_V, SPLITKV_THREADS
+from .constants import BLOCK_M, BLOCK_N, COMBINE_WARPS, HEAD_DIM_K, HEAD_DIM_V, SPLITKV_THREADS
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -162,7 +162,7 @@ class LaunchPlan:
                                interop.torch_dtype(np.dtype(np.float32)))
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
-        self._maps = [list(m) + [None] for m in maps]   # (field offset, shape, byte strides, last address)
+        self._maps = [list(m) + [None] for m in maps]   # (field offset, shape, byte strides, box rows, last address)
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
 
@@ -236,10 +236,10 @@ class LaunchPlan:
     def _update_map(self, index: int, address: int) -> None:
         """Re-encode a tensor map only when its array's address changed."""
         entry = self._maps[index]
-        if entry[3] != address:
-            raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2])
+        if entry[4] != address:
+            raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
             ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
-            entry[3] = address
+            entry[4] = address
 
 
 class CallPlan(LaunchPlan):
@@ -256,14 +256,15 @@ class CallPlan(LaunchPlan):
         self.q_in_place = a.h_kv == 1 and (a.s_q == 1 or s_s == a.h_q * s_h) and s_b % 16 == 0 and s_h % 16 == 0
         esize = a.dtype.itemsize
         if self.q_in_place:
-            q_map = ((a.batch, a.q_rows, 1, HEAD_DIM_K), (s_b, s_h, s_h * a.q_rows, esize))
+            q_map = ((a.batch, a.q_rows, 1, HEAD_DIM_K), (s_b, s_h, s_h * a.q_rows, esize), BLOCK_M)
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
-            q_map = (rows, _contiguous_strides(rows, esize))
+            q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
                          (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts),
                          [(SplitKVParams.tma_q.offset, *q_map),
-                          (SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides)])
+                          (SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides,
+                           min(a.k_cache_shape[1], BLOCK_N))])     # a box is one piece of a page (kernel)
 
     def _prepare_launches(self) -> None:
         """Load (compiling on first use) the kernels and prebuild both launches."""
@@ -277,7 +278,8 @@ class CallPlan(LaunchPlan):
                                        stream=self.stream_ptr, pdl=True)
         p = self.splitkv.params
         p.block_table_stride, p.max_blocks_per_seq = a.block_table_stride, a.block_table_columns
-        p.num_blocks, p.total_splits = a.k_cache_shape[0], a.batch + a.num_sm_parts
+        p.num_blocks, p.page_block_size = a.k_cache_shape[:2]
+        p.total_splits = a.batch + a.num_sm_parts
         p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.batch, a.s_q, a.q_rows, a.heads_per_kv
         p.h_q, p.h_kv, p.causal, p.sparse_s_q = a.h_q, a.h_kv, int(a.causal), 1
         p.scale_log2 = a.softmax_scale * math.log2(math.e)

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .constants import BLOCK_M, FIXED_OVERHEAD_BLOCKS, PAGE_BLOCK_SIZE, SCHED_META_INTS  # noqa: F401 (re-exported)
+from .constants import BLOCK_M, FIXED_OVERHEAD_BLOCKS, BLOCK_N, SCHED_META_INTS  # noqa: F401 (re-exported)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -73,7 +73,7 @@ def _validated_seqlens(seqlens) -> list[int]:
     return [int(s) for s in array]
 
 
-def payload(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
+def payload(seqlens, num_sm_parts: int, block_n: int = BLOCK_N,
             fixed_overhead: int = FIXED_OVERHEAD_BLOCKS) -> int:
     """The budget of every part, in pages (see the module docstring)."""
     seqlens = _validated_seqlens(seqlens)
@@ -81,7 +81,7 @@ def payload(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
     return max(_ceil_div(total_cost, num_sm_parts) + fixed_overhead, 2 * fixed_overhead)
 
 
-def schedule(seqlens, num_sm_parts: int, block_n: int = PAGE_BLOCK_SIZE,
+def schedule(seqlens, num_sm_parts: int, block_n: int = BLOCK_N,
              fixed_overhead: int = FIXED_OVERHEAD_BLOCKS, *, topk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The metadata kernel's output for one batch, computed on the host.
 
@@ -156,7 +156,7 @@ class WorkItem(NamedTuple):
         return self.end_page - self.first_page
 
 
-def parts_work(metadata, seqlens, block_n: int = PAGE_BLOCK_SIZE) -> list[WorkItem]:
+def parts_work(metadata, seqlens, block_n: int = BLOCK_N) -> list[WorkItem]:
     """The pieces of work in ``metadata``, in part order, read as the split-KV kernel reads them.
 
     Args:
@@ -176,7 +176,7 @@ def parts_work(metadata, seqlens, block_n: int = PAGE_BLOCK_SIZE) -> list[WorkIt
     return items
 
 
-def part_costs(metadata, seqlens, block_n: int = PAGE_BLOCK_SIZE,
+def part_costs(metadata, seqlens, block_n: int = BLOCK_N,
                fixed_overhead: int = FIXED_OVERHEAD_BLOCKS) -> np.ndarray:
     """Cost of each part's work in pages (pages + overhead per piece), int64 ``[num_sm_parts]``:
     the load balance the scheduler achieved (each is at most the payload)."""

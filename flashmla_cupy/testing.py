@@ -17,7 +17,7 @@ import numpy as np
 import flashmla_cupy
 from flashmla_cupy import reference
 
-PAGE = 64
+PAGE = 64             # FlashMLA's page block size: the cases' default
 D_K = 576
 D_V = 512
 
@@ -41,9 +41,17 @@ class MLACase:
                                    block_table=cupy.asnumpy(self.block_table),
                                    cache_seqlens=cupy.asnumpy(self.cache_seqlens))
 
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    def pages(self, request: int) -> int:
+        """Cache pages (block-table columns) that request ``request`` reads."""
+        return -(-int(self.seqlens[request]) // self.page_size)
+
     def describe(self) -> str:
         b = len(self.seqlens)
-        return (f"b={b} s_q={self.s_q} h_q={self.h_q} h_kv={self.h_kv} dtype={self.q.dtype} "
+        return (f"b={b} s_q={self.s_q} h_q={self.h_q} h_kv={self.h_kv} page={self.page_size} dtype={self.q.dtype} "
                 f"seqlens[:8]={self.seqlens[:8].tolist()}")
 
 
@@ -55,10 +63,10 @@ def seed_seqlens(rng: np.random.Generator, batch: int, mean: int, s_q: int, varl
 
 
 def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int, dtype: str,
-                spare_blocks: int = 3, garbage_columns: int = 2) -> MLACase:
+                spare_blocks: int = 3, garbage_columns: int = 2, page_size: int = PAGE) -> MLACase:
     seqlens = np.asarray(seqlens, dtype=np.int32)
     batch = len(seqlens)
-    pages = -(-seqlens // PAGE)
+    pages = -(-seqlens // page_size)
     used = int(pages.sum())
     num_blocks = used + spare_blocks
     ids = rng.permutation(num_blocks).astype(np.int32)
@@ -69,18 +77,18 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
     start = 0
     for i, n in enumerate(pages):
         table[i, :n] = ids[start:start + n]
-        valid_tokens[ids[start:start + n]] = np.clip(seqlens[i] - PAGE * np.arange(n), 0, PAGE)
+        valid_tokens[ids[start:start + n]] = np.clip(seqlens[i] - page_size * np.arange(n), 0, page_size)
         start += n
 
     q = _random(rng, (batch, s_q, h_q, D_K), dtype)
-    k_cache = cupy.empty((num_blocks, PAGE, h_kv, D_K), dtype=DTYPES[dtype])
+    k_cache = cupy.empty((num_blocks, page_size, h_kv, D_K), dtype=DTYPES[dtype])
     valid = cupy.asarray(valid_tokens)
-    chunk = max(1, (1 << 27) // (PAGE * h_kv * D_K))         # ~0.5 GB of float32 at a time
+    chunk = max(1, (1 << 27) // (page_size * h_kv * D_K))    # ~0.5 GB of float32 at a time
     gen = cupy.random.default_rng(int(rng.integers(2**63)))
     for lo in range(0, num_blocks, chunk):
         hi = min(num_blocks, lo + chunk)
-        block = gen.standard_normal((hi - lo, PAGE, h_kv, D_K), dtype=np.float32)
-        unreadable = cupy.arange(PAGE)[:, None, None] >= valid[lo:hi, None, None, None]
+        block = gen.standard_normal((hi - lo, page_size, h_kv, D_K), dtype=np.float32)
+        unreadable = cupy.arange(page_size)[:, None, None] >= valid[lo:hi, None, None, None]
         k_cache[lo:hi] = cupy.where(unreadable, np.float32(np.nan), block).astype(DTYPES[dtype])
     return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv)
 
@@ -177,10 +185,10 @@ SCHEDULE_ERROR = "tile_scheduler_metadata and num_splits must come from get_mla_
 METADATA_KIND_ERROR = SCHEDULE_ERROR + " for this call: "
 
 # Every kind of int32 the kernels must survive (negative, just past the bound, huge, the extremes).
-BAD_LENGTHS = {       # cache_seqlens[request]: outside [0, 64 * block_table columns]
+BAD_LENGTHS = {       # cache_seqlens[request]: outside [0, page_block_size * block_table columns]
     "-1": lambda inp: -1,
     "-2**31": lambda inp: -2**31,
-    "capacity+1": lambda inp: PAGE * inp.block_table.shape[1] + 1,
+    "capacity+1": lambda inp: inp.page_size * inp.block_table.shape[1] + 1,
     "2**30": lambda inp: 2**30,
     "2**31-1": lambda inp: 2**31 - 1,
 }
@@ -197,8 +205,8 @@ def bad_value(inp: MLACase, request: int, argument: str, name: str, page: str = 
     id of its first or last page."""
     if argument == "cache_seqlens":
         return BadValue("cache_seqlens", request, BAD_LENGTHS[name](inp))
-    pages = -(-int(inp.seqlens[request]) // PAGE)
-    return BadValue("block_table", request, BAD_BLOCK_IDS[name](inp), column=0 if page == "first" else pages - 1)
+    return BadValue("block_table", request, BAD_BLOCK_IDS[name](inp),
+                    column=0 if page == "first" else inp.pages(request) - 1)
 
 
 def bad_value_kinds(causal: bool) -> list[tuple[str, str, str]]:
@@ -213,9 +221,8 @@ def bad_value_kinds(causal: bool) -> list[tuple[str, str, str]]:
 
 def bad_values(inp: MLACase, request: int, causal: bool) -> list[BadValue]:
     """Every bad value (``bad_value_kinds``) for one request."""
-    pages = -(-int(inp.seqlens[request]) // PAGE)
     return [bad_value(inp, request, argument, name, page) for argument, name, page in bad_value_kinds(causal)
-            if page != "last" or pages > 1]
+            if page != "last" or inp.pages(request) > 1]
 
 
 def apply_bad_value(inp: MLACase, bad: BadValue, value: int | None = None) -> None:

@@ -76,7 +76,7 @@ def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
 
     Dims, innermost first: (cols, rows, heads, outer); the box covers box_rows x box_cols of one
     (outer, head). Used for Q ``[b][q_rows][h_kv][576]``, the KV cache
-    ``[blocks][64][h_kv][576]`` and O ``[b][q_rows][h_kv][512]``.
+    ``[blocks][page_block_size][h_kv][576]`` and O ``[b][q_rows][h_kv][512]``.
     """
     outer, rows, heads, cols = shape
     s_outer, s_rows, s_heads, _ = strides_bytes

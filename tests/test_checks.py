@@ -191,8 +191,10 @@ CASES = [
         "must have head dim (axis 3) 576", "(4, 64, 1, 512)"),
     row("head_dim_v-576", "head_dim_v", lambda a: 576, ValueError, "must be 512", "got 576"),
     row("head_dim_v-str", "head_dim_v", lambda a: "512", TypeError, "must be an int", "str '512'"),
-    row("k_cache-page-32", "k_cache", cache_shape(page=32), ValueError,
-        "must have page block size (axis 1) 64", "(4, 32, 1, 576)"),
+    row("k_cache-page-48", "k_cache", cache_shape(page=48), ValueError,
+        "must have a power-of-two page block size (axis 1", "(4, 48, 1, 576)"),
+    row("k_cache-page-0", "k_cache", cache_shape(page=0), ValueError,
+        "at least one block (axis 0) of at least one token (axis 1)", "(4, 0, 1, 576)"),
     Case("q-heads-not-multiple-of-kv-heads", arg("k_cache", cache_shape(h_kv=3)), ValueError,
          ("q", "must have a positive multiple of k_cache's 3 heads", "(2, 1, 16, 576)")),
     row("q-s_q-0", "q", q_shape(s_q=0), ValueError, "at least one query token", "(2, 0, 16, 576)"),
@@ -458,8 +460,10 @@ def test_environment_variable_with_a_bad_mode_says_so():
 
 @pytest.mark.parametrize("code, fields, words", [
     (constants.ERROR_SEQLEN_NEGATIVE, (1, 0, -5, 0), "cache_seqlens[1] must be >= 0; got -5"),
-    (constants.ERROR_SEQLEN_RANGE, (0, 0, 129, 2),
+    (constants.ERROR_SEQLEN_RANGE, (0, 64, 129, 2),
      "cache_seqlens[0] must be in [0, 128] (block_table holds 2 pages of 64 tokens per request); got 129"),
+    (constants.ERROR_SEQLEN_RANGE, (0, 16, 33, 2),
+     "cache_seqlens[0] must be in [0, 32] (block_table holds 2 pages of 16 tokens per request); got 33"),
     (constants.ERROR_BLOCK_ID, (1, 0, 4, 4),
      "block_table[1, 0] must be a block of k_cache (0 <= id < 4), since request 1 uses it; got 4"),
     (constants.ERROR_SCHEDULE, (3, 0, 77, 10), "tile_scheduler_metadata and num_splits must come from "
@@ -691,7 +695,7 @@ def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeyp
     # with another layout (an optional array left out, a wrong dtype) is checked again.
     from flashmla_cupy import sparse, tma
 
-    monkeypatch.setattr(tma, "rows_4d_at", lambda *args: bytes(128))       # no driver here
+    monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: bytes(128))       # no driver here
     checked = []
     real_inputs = sparse.sparse_inputs
     monkeypatch.setattr(sparse, "sparse_inputs", lambda *args: checked.append(1) or real_inputs(*args))

@@ -39,6 +39,37 @@ def test_without_a_command_flashmla_cupy_profiles(monkeypatch, argv, what):
     assert cli.main(argv) == 0 and seen == [what]
 
 
+@pytest.mark.parametrize("text, sizes", [("1,16,128", [1, 16, 128]), ("64", [64]), ("512, 2", [512, 2])])
+def test_page_size_takes_powers_of_two(monkeypatch, text, sizes):
+    seen = []
+    monkeypatch.setattr(cli, "cmd_profile", lambda args: seen.append(args.page_sizes) or 0)
+    assert cli.main(["--quick", "--page-size", text]) == 0 and seen == [sizes]
+
+
+@pytest.mark.parametrize("text", ["0", "3", "48", "16,48", "-64", "x", ""])
+def test_page_size_rejects_what_is_not_a_power_of_two(capsys, text):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--page-size", text])
+    assert excinfo.value.code == 2
+    assert (f"argument --page-size: expected powers of two (1, 2, 4, ..., 64, 128, 256, ...), got {text!r}"
+            in capsys.readouterr().err)
+
+
+def test_page_sizes_reach_the_grid_and_default_to_the_seeds_64():
+    from flashmla_cupy.profiler import shapes
+
+    parse = cli.build_parser().parse_args
+    assert cli._mla_shapes(parse(["profile", "--quick"])) == shapes.quick_grid()
+    assert cli._mla_shapes(parse(["profile"])) == shapes.mla_grid()
+    assert {s.page_size for s in shapes.mla_grid()} == {64}
+    quick = cli._mla_shapes(parse(["profile", "--quick", "--page-size", "16,256"]))
+    assert [(s.key, s.page_size) for s in quick] == [(k, p) for k in shapes.QUICK_KEYS for p in (16, 256)]
+    grid = cli._mla_shapes(parse(["profile", "--seqlens", "512", "--heads", "16", "--page-size", "1,128"]))
+    assert [(s.s_q, s.varlen, s.page_size) for s in grid] == [
+        (1, False, 1), (1, False, 128), (1, True, 1), (1, True, 128),
+        (2, False, 1), (2, False, 128), (2, True, 1), (2, True, 128)]
+
+
 def test_compile_rejects_what_is_not_an_sm_target(capsys):
     for bad in ("foo", "90a", "sm90a", "sm_9", "compute_90a"):
         with pytest.raises(SystemExit) as excinfo:

@@ -4,7 +4,8 @@ Every shape draws: the batch size; s_q (1-4, sometimes 5-8); h_kv (1 or 2) and h
 it, at most 128, odd group sizes included); sequence lengths mixing 0, tiny ones, lengths around
 page boundaries, medium and long ones (up to 20,000), often one long request among short ones
 (the scheduler splits it over several SM parts: the combine path); causal on or off; sometimes a
-non-default softmax_scale; spare cache blocks and garbage block-table columns. The inputs come
+non-default softmax_scale; spare cache blocks and garbage block-table columns; the cache's page
+size (64 in half the shapes, else a power of two from 1 to 512). The inputs come
 from ``flashmla_cupy.testing.make_inputs`` (permuted block ids, NaN in every cache slot that no
 request may read) and the kernel's out and lse are checked with flashmla_cupy.testing's criteria and
 tolerances (``run_kernel``, ``check_against_reference``). One shape in ten is run a second time
@@ -64,6 +65,7 @@ class Case:
     spare_blocks: int
     garbage_columns: int
     again: bool               # a second call with fresh arrays (cached plan)
+    page_size: int = PAGE
 
     @property
     def q_rows(self) -> int:
@@ -75,7 +77,8 @@ class Case:
             f"{s[:12].tolist()}... (max {int(s.max())}, {int((s == 0).sum())} zeros, total {int(s.sum())})"
         return (f"seed={self.seed} {self.dtype} b={len(s)} s_q={self.s_q} h_q={self.h_q} h_kv={self.h_kv} "
                 f"causal={self.causal} softmax_scale={self.softmax_scale} spare_blocks={self.spare_blocks} "
-                f"garbage_columns={self.garbage_columns} again={self.again} seqlens={lengths}")
+                f"garbage_columns={self.garbage_columns} again={self.again} page_size={self.page_size} "
+                f"seqlens={lengths}")
 
     def replay(self) -> str:
         return (f"pytest tests/test_fuzz.py -s -k {self.dtype} --fuzz-seed {self.seed} --fuzz-shapes 1")
@@ -119,8 +122,9 @@ def draw_case(seed: int, dtype: str) -> Case:
         spare_blocks = max(spare_blocks, 1)                         # k_cache needs at least one block
     garbage_columns = int(rng.integers(0, 4))
     again = bool(rng.random() < 0.1)
+    page_size = PAGE if rng.random() < 0.5 else int(rng.choice([1, 2, 4, 8, 16, 32, 128, 256, 512]))
     return Case(seed, dtype, seqlens.astype(np.int32), s_q, heads_per_kv * h_kv, h_kv, causal,
-                softmax_scale, spare_blocks, garbage_columns, again)
+                softmax_scale, spare_blocks, garbage_columns, again, page_size)
 
 
 def has_split_request(case: Case) -> bool:
@@ -137,7 +141,8 @@ def run_case(case: Case) -> None:
     kept = []
     for call in range(2 if case.again else 1):
         inp = make_inputs(rng, case.seqlens, case.s_q, case.h_q, case.h_kv, case.dtype,
-                          spare_blocks=case.spare_blocks, garbage_columns=case.garbage_columns)
+                          spare_blocks=case.spare_blocks, garbage_columns=case.garbage_columns,
+                          page_size=case.page_size)
         kept.append(inp)          # the first call's arrays stay alive: the second gets new addresses
         out, lse = run_kernel(inp, case.causal, case.softmax_scale)
         try:

@@ -33,6 +33,37 @@ def test_seed_grid(mean_sk, h_q, s_q, varlen, dtype):
     check_against_reference(inp, out, lse, True, dtype)
 
 
+# --- cache pages of other sizes: whole pages per kernel page (64 tokens), or slices of one ------
+
+PAGE_SIZES = [1, 2, 16, 32, 128, 256]
+PAGE_GRID = list(itertools.product(PAGE_SIZES, [4096, 16384], [16, 128], [1, 2], ["bf16", "fp16"]))
+
+
+@pytest.mark.parametrize("page,mean_sk,h_q,s_q,dtype", PAGE_GRID,
+                         ids=[f"page{a}-sk{b}-hq{c}-sq{d}-{e}" for a, b, c, d, e in PAGE_GRID])
+def test_seed_grid_at_page_size(page, mean_sk, h_q, s_q, dtype):
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 128, mean_sk, s_q, True), s_q, h_q, 1, dtype, page_size=page)
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, dtype)
+
+
+SMALL_PAGED = list(itertools.product([1, 2, 8, 32, 128, 256], [1, 63, 65, 1000], [(16, 1, 2), (128, 1, 1), (16, 2, 4)]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page,seqlen,heads", SMALL_PAGED, ids=[f"page{a}-sk{b}-hq{c[0]}-hkv{c[1]}-sq{c[2]}"
+                                                                for a, b, c in SMALL_PAGED])
+def test_small_shapes_at_page_size(page, seqlen, heads, causal):
+    rng = np.random.default_rng()
+    h_q, h_kv, s_q = heads
+    seqlens = np.maximum(seqlen - rng.integers(0, 3, 3) * (seqlen // 3), 1)
+    seqlens[rng.integers(3)] = 0
+    inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, "bf16", page_size=page)
+    out, lse = run_kernel(inp, causal)
+    check_against_reference(inp, out, lse, causal, "bf16")
+
+
 # --- small and odd shapes ----------------------------------------------------------------------
 
 def _small_cases():

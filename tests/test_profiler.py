@@ -165,7 +165,35 @@ def test_shape_geometry():
     s = shapes.MLAShape(2, 300, 16, 1, True, (300, 513))
     assert s.total_seqlen == 813 and s.max_seqlen == 513 and s.max_seqlen_pad == 768
     assert s.num_blocks == 2 * 768 // 64 and s.seqlen_mean == 406.5
-    assert "s_k=300~" in s.label()
+    assert "s_k=300~" in s.label() and "page" not in s.label() and s.page_size == 64
+
+
+@pytest.mark.parametrize("page, pad", [(1, 768), (16, 768), (256, 768), (512, 1024), (1024, 1024)])
+def test_page_size_changes_the_layout_not_the_cost(page, pad):
+    """Pages up to 256 tokens keep the seed's padding to 256; larger ones pad to a whole page.
+    FLOPs and bytes count tokens: the same at every page size."""
+    seed_layout = shapes.MLAShape(2, 300, 16, 1, True, (300, 513))
+    s = dataclasses.replace(seed_layout, page_size=page)
+    assert s.max_seqlen_pad == pad and s.num_blocks == 2 * pad // page
+    assert s.label() == f"b=2 s_k=300~ h_q=16 s_q=1 page={page}" and s.as_dict()["page_size"] == page
+    assert shapes.mla_flops(s) == shapes.mla_flops(seed_layout)
+    assert shapes.mla_bytes(s) == shapes.mla_bytes(seed_layout)
+
+
+def test_page_sizes_cross_the_grid_with_the_same_draws():
+    grid = shapes.mla_grid(batches=(2,), seqlens=(100, 200), heads=(16,), s_qs=(1, 2), varlens=(False, True),
+                           page_sizes=(16, 64, 512))
+    seed_pages = _small_grid()
+    assert len(grid) == 3 * len(seed_pages)
+    assert [s.page_size for s in grid] == [16, 64, 512] * len(seed_pages)
+    for i, one in enumerate(seed_pages):            # each shape's rows, adjacent, with its draws
+        assert [dataclasses.replace(s, page_size=64) for s in grid[3 * i:3 * i + 3]] == [one] * 3
+    quick = shapes.quick_grid(page_sizes=(1, 128))
+    assert [(s.key, s.page_size) for s in quick] == [(k, p) for k in shapes.QUICK_KEYS for p in (1, 128)]
+    assert [s.seqlens for s in quick[::2]] == [s.seqlens for s in shapes.quick_grid()]
+    for bad in (0, 3, 48):
+        with pytest.raises(ValueError, match=f"page size {bad} is not a power of two"):
+            shapes.mla_grid(page_sizes=(64, bad))
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,6 +276,29 @@ def test_seed_layout_inputs_on_numpy():
     assert (again.q.view(np.uint16) == inp.q.view(np.uint16)).all()
 
 
+@pytest.mark.parametrize("page", [1, 16, 128, 512])
+def test_inputs_in_pages_of_any_size_hold_the_seed_layouts_tokens(page):
+    """Pages of ``page`` tokens: a request's tokens are the ones it has in 64-token pages (the
+    padded length is 512 either way), so the float64 reference and the plain CuPy target read the
+    same problem."""
+    seed_layout = shapes.MLAShape(3, 100, 4, 2, True, (70, 300, 2))
+    shape = dataclasses.replace(seed_layout, page_size=page)
+    inp = inputs.make_mla_inputs(shape, seed=5, xp=np)
+    seed_inp = inputs.make_mla_inputs(seed_layout, seed=5, xp=np)
+    pages = 512 // page
+    assert inp.k_cache.shape == (3 * pages, page, 1, 576) and shape.num_blocks == 3 * pages
+    assert (inp.block_table == np.arange(3 * pages).reshape(3, pages)).all()
+    assert (inp.k_cache.reshape(3, 512, 1, 576).view(np.uint16)
+            == seed_inp.k_cache.reshape(3, 512, 1, 576).view(np.uint16)).all()
+    out, lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, causal=True)
+    seed_out, seed_lse = reference.mla_decode(seed_inp.q, seed_inp.k_cache, seed_inp.block_table,
+                                              seed_inp.cache_seqlens, 512, causal=True)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert (out == seed_out).all() and (lse == seed_lse).all()
+    got_out, got_lse = targets.setup_cupy_baseline(inp).result
+    assert reference.cos_diff(got_out, out) < 1e-5 and reference.cos_diff(got_lse, lse) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------
 # The profile loop, end to end on NumPy
 # --------------------------------------------------------------------------------------------
@@ -282,8 +333,9 @@ class FakeSession:
 
 
 def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[str, ...] = ()):
-    """The MLA workload on NumPy: ``flashmla`` and ``cupy`` run the plain baseline; the targets
-    named in ``real`` are the profiler's own (``targets.MLA_TARGETS``), with their requires()."""
+    """The MLA workload on NumPy: ``flashmla``, ``cupy`` and ``flash_mla`` run the plain baseline
+    (``flash_mla`` with FlashMLA's page size rule, its ``supports``); the targets named in ``real``
+    are the profiler's own (``targets.MLA_TARGETS``), with their requires()."""
     def tracked(name, setup):
         def wrapped(inp):
             session.current = name
@@ -295,6 +347,8 @@ def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[
     table = {
         "flashmla": targets.Target("flashmla", "stand-in", tracked("flashmla", targets.setup_cupy_baseline)),
         "cupy": targets.Target("cupy", "plain baseline", tracked("cupy", targets.setup_cupy_baseline)),
+        "flash_mla": targets.Target("flash_mla", "stand-in", tracked("flash_mla", targets.setup_cupy_baseline),
+                                    supports=targets.MLA_TARGETS["flash_mla"].supports),
     }
     for name in real:
         t = targets.MLA_TARGETS[name]
@@ -360,6 +414,46 @@ def test_unavailable_targets_are_skipped_with_the_reason():
     assert ok == [] and skipped == {"a": "needs a thing"}
 
 
+def test_flash_mla_is_not_applicable_at_other_page_sizes():
+    """FlashMLA takes 64-token pages only: at other sizes its row is skipped with the reason (no
+    time, no error, no speed-up) while the main target runs and checks at every size."""
+    from rich.console import Console
+
+    assert targets.MLA_TARGETS["flash_mla"].supports(_small_grid()[0]) is None
+    config = runner.RunConfig(targets=["flashmla", "flash_mla"], baseline="flash_mla", check=True)
+    session = FakeSession(config)
+    grid = shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), s_qs=(2,), varlens=(True,),
+                           page_sizes=(16, 64, 128))
+    notes = []
+    result = runner.run(_numpy_mla_workload(session), grid, config, gpu={}, session=session,
+                        on_note=notes.append)
+    assert session.calls == 4 and notes == [] and not result.skipped_targets
+    by_page = {(r["name"], r["page_size"]): r for r in result.records}
+    for page in (16, 64, 128):
+        main = by_page["flashmla", page]
+        assert "error" not in main and main["check_ok"] is True and main["ms_median"] > 0
+        assert ("speedup" in main) == (page == 64)
+        fm = by_page["flash_mla", page]
+        if page == 64:
+            assert fm["ms_median"] > 0 and "skipped" not in fm
+        else:
+            assert fm["skipped"] == "FlashMLA's dense call takes pages of 64 tokens only"
+            assert not {"error", "ms_median", "cos_diff_out"} & set(fm)
+    assert report.skipped_lines(result.records) == [
+        "flash_mla at 2 of 3 shapes: FlashMLA's dense call takes pages of 64 tokens only"]
+    table, errors = report.results_table(result.records, kind="mla", main="flashmla", others=["flash_mla"])
+    console = Console(record=True, width=250)
+    console.print(table)
+    rows = console.export_text().splitlines()
+    assert not errors and next(line for line in rows if "TFLOP/s" in line).split()[:5] == [
+        "b", "s_k", "h_q", "s_q", "page"]
+    assert [line.split()[4] for line in rows if "n/a" in line] == ["16", "128"]
+    default_pages = [r for r in result.records if r["page_size"] == 64]
+    console.print(report.results_table(default_pages, kind="mla", main="flashmla", others=["flash_mla"])[0])
+    console.print(report.check_table(default_pages, kind="mla", targets=["flashmla", "flash_mla"]))
+    assert "page" not in console.export_text()           # the seed's pages only: the table as it was
+
+
 def test_attention_run_on_numpy():
     """The attention sweep's loop, checks and table, with NumPy stand-ins for the two kernels."""
     from rich.console import Console
@@ -410,8 +504,9 @@ def test_csv_has_the_seed_columns_first_and_every_number(measured, tmp_path):
     for col in ("ms_median", "ms_p10", "ms_p90", "tflops", "gbps", "frac_copy_bw", "frac_matmul", "bound",
                 "speedup", "cos_diff_out", "max_abs_lse", "copy_gbps_ceiling", "varlen", "s_q"):
         assert col in header, col
-    assert "shape_index" not in header
+    assert "shape_index" not in header and "page_size" in header
     assert len(rows) == 16 and {r["name"] for r in rows} == {"flashmla", "cupy"}
+    assert {r["page_size"] for r in rows} == {"64"}
     first = rows[0]
     assert int(first["batch"]) == 2 and int(first["head"]) == 16 and float(first["bw"]) > 0
     assert float(first["copy_gbps_ceiling"]) == ANCHOR_COPY_GBPS
@@ -934,6 +1029,7 @@ def test_profile_on_non_hopper_exits(monkeypatch, kind):
     (["--inputs", "torch"], ("--inputs torch is not available for sparse",)),
     (["--plot", "x.png"], ("--plot is not available for sparse",)),
     (["--seqlens", "1024", "--topk", "2048"], ("topk=2048 is more than s_k=1024",)),
+    (["--page-size", "16"], ("--page-size is not available for sparse", "reshapes the same cache")),
 ])
 def test_profile_sparse_refuses_what_it_cannot_do(monkeypatch, argv, words):
     def no_device(config, need_hopper):
@@ -1041,6 +1137,28 @@ def test_profile_goes_on_without_flash_mla(monkeypatch, tmp_path, capsys):
     data = json.loads(json_path.read_text())
     assert {r["name"] for r in data["records"]} == {"flashmla"}
     assert all("speedup" not in r for r in data["records"])
+
+
+def test_profile_page_sizes_end_to_end(monkeypatch, tmp_path, capsys):
+    """--page-size through the CLI: each shape at each size, a page column, FlashMLA n/a (with the
+    reason, exit 0) where pages are not 64 tokens, the page size in the CSV and JSON."""
+    csv_path, json_path = tmp_path / "p.csv", tmp_path / "p.json"
+    argv = ["profile", "--seqlens", "128", "--heads", "16", "--s-q", "1", "--varlen", "off", "--page-size", "16,64",
+            "--baseline", "flash_mla", "--check", "--csv", str(csv_path), "--json", str(json_path)]
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv) == 0
+    out = capsys.readouterr().out
+    assert "skipped flash_mla at 1 of 2 shapes: FlashMLA's dense call takes pages of 64 tokens only" in out
+    assert not [line for line in out.splitlines() if line.startswith("error ")]
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["b"])
+    assert header.split()[:5] == ["b", "s_k", "h_q", "s_q", "page"]
+    data = json.loads(json_path.read_text())
+    assert [(r["name"], r["page_size"], "ms_median" in r) for r in data["records"]] == [
+        ("flashmla", 16, True), ("flash_mla", 16, False), ("flashmla", 64, True), ("flash_mla", 64, True)]
+    assert all(r["check_ok"] for r in data["records"] if r["name"] == "flashmla")
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["page_size"], r["skipped"]) for r in rows if r["name"] == "flash_mla"] == [
+        ("16", "FlashMLA's dense call takes pages of 64 tokens only"), ("64", "")]
 
 
 @pytest.mark.parametrize("gpu_name", ["Fake H200", "Fake H100"])
@@ -1245,6 +1363,25 @@ def test_profile_sparse_on_hopper(tmp_path):
     ours = [r for r in data["records"] if r["name"] == "flashmla"]
     assert len(ours) == 1 and all("error" not in r and r["check_ok"] for r in ours), ours
     assert ours[0]["ms_median"] > 0 and ours[0]["topk"] == 512
+    assert rc == 0
+
+
+@pytest.mark.hopper
+def test_profile_page_sizes_on_hopper(tmp_path):
+    """The default call on caches of 1- to 512-token pages against the float64 reference; FlashMLA
+    (where importable) n/a beside it at every size but 64."""
+    baseline = "cupy" if targets.MLA_TARGETS["flash_mla"].requires() else "flash_mla"
+    path = tmp_path / "p.json"
+    rc = cli.main(["profile", "--heads", "64", "--seqlens", "1024", "--s-q", "2", "--varlen", "on", "--batch", "4",
+                   "--page-size", "1,16,64,128,512", "--repeats", "10", "--warmup", "2", "--no-ceilings", "--check",
+                   "--baseline", baseline, "--json", str(path)])
+    data = json.loads(path.read_text())
+    main = [r for r in data["records"] if r["name"] == "flashmla"]
+    assert [r["page_size"] for r in main] == [1, 16, 64, 128, 512]
+    assert all("error" not in r and r["check_ok"] and r["ms_median"] > 0 for r in main), main
+    others = [r for r in data["records"] if r["name"] == baseline]
+    assert [r["page_size"] for r in others if "skipped" not in r] == ([64] if baseline == "flash_mla"
+                                                                      else [1, 16, 64, 128, 512])
     assert rc == 0
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from flashmla_cupy import scheduler
 from flashmla_cupy.scheduler import FIXED_OVERHEAD_BLOCKS as OVERHEAD
-from flashmla_cupy.scheduler import PAGE_BLOCK_SIZE as PAGE
+from flashmla_cupy.scheduler import BLOCK_N as PAGE
 
 
 @pytest.fixture

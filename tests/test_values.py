@@ -60,6 +60,7 @@ class Batch:
     causal: bool
     dtype: str
     request: int            # the request given the bad value
+    page_size: int = PAGE
 
     @property
     def rows_per_kv(self) -> int:
@@ -67,12 +68,16 @@ class Batch:
 
 
 # 6 requests each (one of length 0 or 1, whose unused block-table columns hold garbage that must
-# never be read); the bad request is processed whole in some, split over SM parts in others.
+# never be read); the bad request is processed whole in some, split over SM parts in others; cache
+# pages smaller than a kernel page (64 tokens), and larger.
 BATCHES = {
     "sq1-hq16-bf16": Batch((100, 200, 300, 64, 0, 1000), 1, 16, 1, False, "bf16", 2),
     "sq2-hq128-causal-bf16": Batch((900, 5, 2000, 64, 130, 1), 2, 128, 1, True, "bf16", 0),
     "sq1-hq128-fp16": Batch((700, 3000, 64, 65, 1, 2), 1, 128, 1, False, "fp16", 3),
     "sq2-hq32-hkv2-bf16": Batch((129, 3000, 64, 65, 1, 900), 2, 32, 2, False, "bf16", 5),
+    "sq1-hq16-page1-bf16": Batch((100, 64, 1, 3, 0, 700), 1, 16, 1, False, "bf16", 5, page_size=1),
+    "sq1-hq64-page16-bf16": Batch((300, 5, 2000, 17, 0, 640), 1, 64, 1, False, "bf16", 3, page_size=16),
+    "sq2-hq128-page256-causal-fp16": Batch((900, 5, 3000, 257, 130, 1), 2, 128, 1, True, "fp16", 2, page_size=256),
 }
 
 VALUE_CASES = [(b, *k) for b in BATCHES for k in bad_value_kinds(BATCHES[b].causal)]
@@ -91,8 +96,8 @@ def check_message(error: Exception, inp, bad: BadValue) -> None:
     i = bad.request
     if bad.argument == "cache_seqlens":
         pages = inp.block_table.shape[1]
-        start = (f"cache_seqlens[{i}] must be in [0, {pages * PAGE}] (block_table holds {pages} pages "
-                 f"of {PAGE} tokens per request)")
+        start = (f"cache_seqlens[{i}] must be in [0, {pages * inp.page_size}] (block_table holds {pages} pages "
+                 f"of {inp.page_size} tokens per request)")
     else:
         start = (f"block_table[{i}, {bad.column}] must be a block of k_cache (0 <= id < {inp.k_cache.shape[0]}), "
                  f"since request {i} uses it")
@@ -114,7 +119,7 @@ def fresh(bases, name: str):
     if name not in bases:
         batch = BATCHES[name]
         inp = make_inputs(np.random.default_rng(list(BATCHES).index(name)), list(batch.seqlens), batch.s_q,
-                          batch.h_q, batch.h_kv, batch.dtype)
+                          batch.h_q, batch.h_kv, batch.dtype, page_size=batch.page_size)
         meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
         bases[name] = (inp, meta, splits)
     inp, meta, splits = bases[name]

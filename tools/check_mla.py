@@ -6,8 +6,9 @@ One line per shape (max errors, cos_diff; the tests' criteria, flashmla_cupy.tes
 status 1 if any shape fails. Small enough to run under compute-sanitizer (tools/sanitize.sh uses
 --set sanitizer, and --set bad-values for memcheck).
 
-``--set bad-values`` (value checks "async"; --range slices its 6 items): for four batches, every
-kind of bad length and block id (``flashmla_cupy.testing.bad_values``) in one request: the
+``--set bad-values`` (value checks "async"; --range slices its 8 items): for six batches (two
+with pages of 1 and 256 tokens), every kind of bad length and block id
+(``flashmla_cupy.testing.bad_values``) in one request: the
 request's out and lse must be all NaN (they start finite), the others must match the reference,
 and ``check_errors()`` must raise the error naming the argument, index and value; a negative
 length into get_mla_metadata (reported there, then NaN rows and reported by the call); metadata
@@ -26,11 +27,11 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy.testing import (FOREIGN_METADATA, SCHEDULE_ERROR, BadValue, apply_bad_value, bad_values,
+from flashmla_cupy.testing import (FOREIGN_METADATA, PAGE, SCHEDULE_ERROR, BadValue, apply_bad_value, bad_values,
                                    check_against_reference, check_bad_value_result, finite_outputs, make_inputs,
                                    run_kernel)
 
-# (seqlens, s_q, h_q, h_kv, causal)
+# (seqlens, s_q, h_q, h_kv, causal[, page block size, default 64])
 SHAPES = {
     "quick": [
         ([4096] * 8, 1, 128, 1, False),
@@ -61,16 +62,22 @@ SHAPES = {
         ([2048] * 33, 1, 16, 1, False),
         ([3, 65, 129], 3, 5, 1, True),
         ([1000] * 5, 1, 128, 2, False),
+        ([1, 63, 65, 1000], 2, 16, 1, True, 1),
+        ([300, 5000, 17, 0], 1, 128, 1, False, 16),
+        ([4096] * 2, 1, 128, 1, False, 32),
+        ([129, 3000, 0, 900], 2, 32, 2, True, 256),
     ],
 }
 
 
-# (seqlens, s_q, h_q, h_kv, causal, request given the bad values)
+# (seqlens, s_q, h_q, h_kv, causal, request given the bad values[, page block size])
 BAD_VALUE_BATCHES = [
     ([100, 200, 300, 64, 0, 1000], 1, 16, 1, False, 2),
     ([1000, 5, 2000, 64, 130, 1], 2, 128, 1, True, 2),     # the request is split: combine
     ([129, 3000, 64, 65, 1, 900], 2, 32, 2, False, 5),     # two KV heads
     ([70000, 10, 10], 1, 128, 1, False, 0),                # split over many SM parts
+    ([100, 64, 1, 3, 0, 700], 1, 16, 1, False, 5, 1),      # pages of one token
+    ([900, 5, 3000, 257, 130, 1], 2, 128, 1, True, 2, 256),
 ]
 # Scheduler metadata of another batch (flashmla_cupy.testing.FOREIGN_METADATA): request 0 of
 # this batch is split and SM part 0 starts it, so the reported kinds always are.
@@ -102,10 +109,10 @@ def check_error(raised: str | None, start: str, value: int) -> None:
     assert raised.startswith(start) and re.search(rf"; got {value}(?!\d)", raised), f"wrong error: {raised}"
 
 
-def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_reference: bool):
+def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_reference: bool, page_size=PAGE):
     """One (ok, label, message) per bad value of ``request``."""
     results = []
-    base = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
+    base = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype, page_size=page_size)
     meta, splits = flashmla_cupy.get_mla_metadata(base.cache_seqlens, s_q * h_q // h_kv, h_kv)
     good_lengths, good_table = base.cache_seqlens.copy(), base.block_table.copy()
     for bad in bad_values(base, request, causal):
@@ -117,7 +124,7 @@ def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_
             call(base, meta, splits, causal, out, lse)
             raised = raised_by(flashmla_cupy.check_errors)
         label = (f"{dtype} b={len(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={int(causal)} "
-                 f"{bad.describe()}")
+                 f"page={page_size} {bad.describe()}")
         try:
             check_error(raised, bad.message, bad.value)
             check_result(base, bad, out, lse, causal, dtype, host_reference)
@@ -181,15 +188,15 @@ def check_foreign_metadata(dtype, rng, host_reference: bool):
 
 # --set bad-values: (what, function(dtype, rng, host_reference) -> [(ok, label, message)])
 BAD_VALUE_SET = [
-    *((f"bad values b={len(b[0])}", lambda dtype, rng, host, b=b: check_bad_values(*b, dtype, rng, host))
+    *((f"bad values b={len(b[0])}", lambda dtype, rng, host, b=b: check_bad_values(*b[:6], dtype, rng, host, *b[6:]))
       for b in BAD_VALUE_BATCHES),
     ("negative length into get_mla_metadata", check_negative_length),
     ("metadata of another batch", check_foreign_metadata),
 ]
 
 
-def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, host_reference: bool) -> tuple[bool, str]:
-    inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
+def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, host_reference: bool, page_size=PAGE) -> tuple[bool, str]:
+    inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype, page_size=page_size)
     out, lse = run_kernel(inp, causal)
     if host_reference:
         inp, out, lse = inp.to_host(), cupy.asnumpy(out), cupy.asnumpy(lse)
@@ -223,10 +230,12 @@ def main() -> int:
                     failures += not ok
                     print(f"{'ok  ' if ok else 'FAIL'} {label:<70} {msg}", flush=True)
             continue
-        for seqlens, s_q, h_q, h_kv, causal in SHAPES[args.set][start:stop]:
-            ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, args.host_reference)
+        for seqlens, s_q, h_q, h_kv, causal, *page in SHAPES[args.set][start:stop]:
+            page_size = page[0] if page else PAGE
+            ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, args.host_reference, page_size)
             failures += not ok
-            label = f"{dtype} b={len(seqlens)} s_k<={max(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={int(causal)}"
+            label = (f"{dtype} b={len(seqlens)} s_k<={max(seqlens)} s_q={s_q} h_q={h_q} h_kv={h_kv} "
+                     f"causal={int(causal)} page={page_size}")
             print(f"{'ok  ' if ok else 'FAIL'} {label:<58} {msg}", flush=True)
     print(f"{failures} failing shape(s)")
     return 1 if failures else 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the MLA kernels: memcheck, racecheck, synccheck and initcheck, one after
-# another, each over `tools/check_mla.py --set sanitizer --dtype both --host-reference` (22
+# another, each over `tools/check_mla.py --set sanitizer --dtype both --host-reference` (26
 # shapes x 2 dtypes, each checked against the float64 reference computed with NumPy, so that the
 # only GPU kernels are ours and the few that make the inputs; check_mla exits 1 on a wrong result);
 # then memcheck once more over `check_mla.py --set bad-values` (bad lengths and block ids, a
@@ -34,7 +34,7 @@
 #   SANITIZE_WARMUP      1 | 0: first a plain run, which also fills the cubin cache (default 1)
 #   SANITIZE_EXTRA_ARGS  more compute-sanitizer options for every tool (word-split)
 #   SANITIZE_RANGE       START:STOP, a slice of the set's items (check_mla --range; default all)
-#   SANITIZE_SET         check_mla's set for the TOOLs: sanitizer (default: 22 shapes) or
+#   SANITIZE_SET         check_mla's set for the TOOLs: sanitizer (default: 26 shapes) or
 #                        bad-values (e.g. SANITIZE_SET=bad-values tools/sanitize.sh LOGDIR memcheck)
 #   SANITIZE_BAD_VALUES  yes | no: with SANITIZE_SET=sanitizer and memcheck among the TOOLs, the
 #                        extra memcheck pass over all of --set bad-values (default yes)

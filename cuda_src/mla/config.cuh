@@ -15,7 +15,9 @@ namespace flashmla {
 
 constexpr int kHeadDimK = FLASHMLA_HEAD_DIM_K;     // latent (512) + rope (64): K row and Q row
 constexpr int kHeadDimV = FLASHMLA_HEAD_DIM_V;     // V is the first 512 columns of the same cache row
-constexpr int kPageBlock = FLASHMLA_PAGE_BLOCK_SIZE;   // tokens per KV-cache page
+// Tokens per step of the split-KV kernels: what they call a page (one page buffer, one
+// scheduler unit). The cache's own pages (page_block_size) may be smaller or larger.
+constexpr int kBlockN = FLASHMLA_BLOCK_N;
 constexpr int kBlockM = FLASHMLA_BLOCK_M;          // query rows (heads x MTP tokens) per CTA
 constexpr int kTileCols = FLASHMLA_TMA_BOX;        // one TMA box / swizzle atom: 64 columns = 128 bytes
 constexpr int kTilesK = kHeadDimK / kTileCols;     // 9 tiles per K (or Q) row block
@@ -23,7 +25,7 @@ constexpr int kTilesV = kHeadDimV / kTileCols;     // 8 tiles per V row block
 constexpr int kSplitKVThreads = FLASHMLA_SPLITKV_THREADS;
 constexpr int kSparseProducerThreads = FLASHMLA_SPARSE_PRODUCER_THREADS;
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
-static_assert(kPageBlock == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "one TMA box is one page x 64 columns");
+static_assert(kBlockN == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "a page buffer tile is 64 rows x 64 columns");
 
 // Tile scheduler: a request costs its number of pages plus this constant (its setup and
 // epilogue); each SM part gets about the same total cost.

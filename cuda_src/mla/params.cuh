@@ -13,7 +13,7 @@ namespace flashmla {
 // Split-KV kernel. Query rows are (MTP token, head-in-group) pairs: row = s * heads_per_kv + h.
 struct SplitKVParams {
     TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64
-    TensorMap tma_kv;             // KV cache as [num_blocks][64][h_kv][576], box 64 x 64
+    TensorMap tma_kv;             // KV cache as [num_blocks][page_block_size][h_kv][576], box min(page_block_size, 64) x 64
     const int* block_table;       // [batch][block_table_stride]
     const int* seqlens;           // [batch]
     const int* sched_meta;        // [num_sm_parts][8] (layout: config.cuh, kSchedMetaInts)
@@ -28,7 +28,7 @@ struct SplitKVParams {
     const float* attn_sink;       // sparse: [h_q] or null
     const uint8_t* cache;         // sparse: the FP8 cache, kFp8TokenBytes per token
     int64_t block_table_stride;
-    int max_blocks_per_seq;       // block_table's columns: seqlens must be <= 64 * this
+    int max_blocks_per_seq;       // block_table's columns: seqlens must be <= page_block_size * this
     int num_blocks;               // k_cache's blocks: block ids must be in [0, num_blocks)
     int total_splits;             // rows of lse_accum / o_accum (batch + num_sm_parts)
     int batch;
@@ -44,7 +44,7 @@ struct SplitKVParams {
     int64_t cache_block_stride;   // sparse: bytes between cache blocks
     int64_t cache_tokens;         // sparse: num_blocks * page_block_size (ids outside are skipped)
     int topk;                     // sparse: indices' last dim
-    int page_block_size;          // sparse: tokens per cache block
+    int page_block_size;          // tokens per cache block (dense: a power of two)
     int sparse_s_q;               // sparse: query tokens folded into the request axis (dense: 1)
 };
 

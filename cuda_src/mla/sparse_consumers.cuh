@@ -36,7 +36,7 @@ template <typename T, typename FragO>
 __device__ __forceinline__ void sparse_scores_pages(typename T::SharedStorage& st, float scale_log2,
                                                     int first_page, int end_page, FragO& o, RowState& rows,
                                                     float (&row_max)[2], uint32_t& kv_phase, int idx) {
-    Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kPageBlock>>{});
+    Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor pb = make_tensor<typename T::Element>(typename T::LayoutFragA{});
     #pragma unroll 1
     for (int page = first_page; page < end_page; ++page) {

@@ -195,7 +195,7 @@ struct SparseProducer {
     // The token id of this lane's row of `page` (-1 past `visible`): lanes 0-15 (and again
     // 16-31) hold rows 8 warp + lane % 8 and 32 + 8 warp + lane % 8.
     __device__ __forceinline__ int token_id(const int* ids, int page, int visible) const {
-        const int t = page * kPageBlock + 8 * warp + lane % 8 + 32 * ((lane / 8) & 1);
+        const int t = page * kBlockN + 8 * warp + lane % 8 + 32 * ((lane / 8) & 1);
         return t < visible ? ids[t] : -1;
     }
 

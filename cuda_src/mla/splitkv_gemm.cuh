@@ -27,7 +27,7 @@ __device__ __forceinline__ auto smem_tile(E* base) {                        // (
 template <typename T, int kHalf>
 __device__ __forceinline__ auto smem_v_half(typename T::Element* page) {
     auto v = make_tensor(make_smem_ptr(page), typename T::SmemLayoutV{});
-    return local_tile(v, Shape<Int<kHeadDimV / 2>, Int<kPageBlock>>{}, make_coord(Int<kHalf>{}, _0{}));
+    return local_tile(v, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));
 }
 
 // Issue C (+)= A B over all K-blocks of the fragments as one WGMMA batch (arrive ... commit).

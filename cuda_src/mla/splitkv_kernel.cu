@@ -10,6 +10,10 @@
 //   warpgroup 1: S1 = Q K1^T, softmax, O_R += P1 V1_R, then O_R += P0 V0_R (P0 from smem);
 //   the next pair's tiles are requested as soon as the tile they replace has been consumed.
 //
+// A page here is kBlockN = 64 tokens of the request. The cache's pages (page_block_size, a power
+// of two) fill a page buffer as 64 / page_block_size whole pages, or as a 64-token slice of a
+// larger one: each piece is one TMA box per tile, issued by its own thread (load_page_tiles).
+//
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
 //
@@ -19,7 +23,7 @@
 // form a cluster that shares the dequantized pages.
 //
 // Every value read from the caller's integer arrays is checked before it is used as an index:
-// a request whose length is outside [0, 64 * block_table columns] or that uses a block id outside
+// a request whose length is outside [0, page_block_size * block_table columns] or that uses a block id outside
 // the cache reads nothing past its arrays (block 0 stands in for a bad id) and gets NaN in its
 // out / lse rows; the first such value goes to the error record (common/error.cuh). Bad
 // scheduler metadata is skipped the same way; metadata computed for another kind of call (its
@@ -53,13 +57,13 @@ __device__ __forceinline__ int causal_mask_len(const SplitKVParams& p, int m_blo
 
 // Pages holding `tokens` tokens (tokens >= 0; no overflow at 2^31 - 1).
 __device__ __forceinline__ int pages_of(int tokens) {
-    return tokens / kPageBlock + (tokens % kPageBlock != 0);
+    return tokens / kBlockN + (tokens % kBlockN != 0);
 }
 
 // The pages [first_page, end_page) of request `req` that a CTA reads, given its scheduler range
 // {begin_req, begin_token, end_req, end_token}; `whole`: the range covers the whole request (its
 // output is final, else a split for the combine kernel). Causal: pages no row of the block sees
-// are dropped. `bad`: the request's length is outside [0, 64 * block_table columns]; it then
+// are dropped. `bad`: the request's length is outside [0, page_block_size * block_table columns]; it then
 // reads nothing, and whether its output is final or a split is what num_splits says (the
 // combine kernel merges exactly the requests with several splits). The range never extends past
 // the request's length, whatever the metadata says.
@@ -73,7 +77,7 @@ struct RequestSpan {
 __device__ __forceinline__ RequestSpan sparse_request_span(const SplitKVParams& p, int req, int4 range) {
     RequestSpan r;
     const int pages = pages_of(p.topk);
-    r.first_page = req == range.x ? max(range.y, 0) / kPageBlock : 0;
+    r.first_page = req == range.x ? max(range.y, 0) / kBlockN : 0;
     r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), pages) : pages;
     r.whole = r.first_page == 0 && r.end_page == pages;
     r.seqlen = p.topk_length ? min(max(p.topk_length[req / p.sparse_s_q], 0), p.topk) : p.topk;
@@ -87,10 +91,10 @@ __device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int 
     if constexpr (T::kSparse) return sparse_request_span(p, req, range);
     RequestSpan r;
     const int seqlen = p.seqlens[req];
-    r.bad = seqlen < 0 || seqlen > (long long)p.max_blocks_per_seq * kPageBlock;
+    r.bad = seqlen < 0 || seqlen > (long long)p.max_blocks_per_seq * p.page_block_size;
     r.seqlen = r.bad ? 0 : seqlen;
     const int seq_pages = pages_of(r.seqlen);
-    r.first_page = req == range.x ? max(range.y, 0) / kPageBlock : 0;
+    r.first_page = req == range.x ? max(range.y, 0) / kBlockN : 0;
     r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), seq_pages) : seq_pages;
     r.whole = r.bad ? (long long)p.num_splits[req + 1] - p.num_splits[req] <= 1
                     : r.first_page == 0 && r.end_page == seq_pages;
@@ -130,14 +134,29 @@ struct SplitKVCta {
 
     __device__ __forceinline__ Element* page_buf(int buf) const { return st.kv[buf]; }
 
-    // Block id of page `page` of request `request` (block-table row `table`). An id outside the
-    // cache flags the request (NaN output, error record) and block 0 is loaded in its place.
-    __device__ __forceinline__ int block_id(const int* table, int request, int page) const {
-        const int id = table[page];
+    // Block id in column `column` of request `request`'s block-table row `table`. An id outside
+    // the cache flags the request (NaN output, error record) and block 0 is loaded in its place.
+    __device__ __forceinline__ int block_id(const int* table, int request, int column) const {
+        const int id = table[column];
         if (static_cast<unsigned>(id) < static_cast<unsigned>(p.num_blocks)) return id;
         st.bad_request[request & 1] = 1;
-        report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, request, page, id, p.num_blocks);
+        report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, request, column, id, p.num_blocks);
         return 0;
+    }
+
+    // A page buffer is filled in pieces of min(page_block_size, 64) rows, 2^piece_shift():
+    // thread idx < 64 >> piece_shift() of the warpgroup that loads reads the block id of piece
+    // idx ahead (piece_block_id) and issues its boxes (load_page_tiles).
+    __device__ __forceinline__ int piece_shift() const { return min(__ffs(p.page_block_size) - 1, 6); }
+    __device__ __forceinline__ bool loads_piece() const { return idx < (kBlockN >> piece_shift()); }
+
+    // The cache block of this thread's piece of page `page` of request `request` (`seqlen`
+    // tokens). A piece wholly past the request gets num_blocks: TMA fills a box outside the
+    // cache with zeros and reads nothing (its bytes still count on the tile's barrier).
+    __device__ __forceinline__ int piece_block_id(const int* table, int request, int seqlen, int page) const {
+        const int token = page * kBlockN + (idx << piece_shift());
+        if (token >= seqlen) return p.num_blocks;
+        return block_id(table, request, token >> (__ffs(p.page_block_size) - 1));
     }
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
@@ -169,28 +188,32 @@ struct SplitKVCta {
         }
     }
 
-    // Issued by one thread: tiles [kFirst, kLast) of cache page `page_id` into kv[buf]. Whoever
-    // consumes a tile announces its bytes on the tile's barrier (qk_tiles).
+    // Issued by each thread that loads a piece: tiles [kFirst, kLast) of its piece of page `page`
+    // (cache block `block`) into kv[buf]. Whoever consumes a tile announces the whole tile's
+    // bytes on its barrier (qk_tiles).
     template <int kFirst, int kLast>
-    __device__ __forceinline__ void load_page_tiles(int buf, int page_id) const {
+    __device__ __forceinline__ void load_page_tiles(int buf, int page, int block) const {
+        const int first_row = idx << piece_shift();                       // of the page buffer
+        const int cache_row = (page * kBlockN + first_row) & (p.page_block_size - 1);
         const uint32_t bar = buf ? bar_kv1 : bar_kv0;
+        const uint32_t dst = smem_u32(page_buf(buf) + first_row * kTileCols);
         CUTE_UNROLL
         for (int t = kFirst; t < kLast; ++t) {
-            tma_load_4d(&p.tma_kv, bar + t * sizeof(uint64_t), smem_u32(page_buf(buf) + t * kTileElems),
-                        t * kTileCols, 0, kv_head, page_id, L2Hint::kEvictFirst);
+            tma_load_4d(&p.tma_kv, bar + t * sizeof(uint64_t), dst + t * kTileBytes, t * kTileCols, cache_row,
+                        kv_head, block, L2Hint::kEvictFirst);
         }
     }
 
-    // Issued by one thread when request `req` may start loading: its first page into kv[0] and
-    // the second into kv[1] (tiles 4-8 first: warpgroup 1 consumes them first).
+    // Issued by the threads that load pieces when request `req` may start loading: its first
+    // page into kv[0] and the second into kv[1] (tiles 4-8 first: warpgroup 1 consumes them first).
     __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r) const {
         if (r.first_page >= r.end_page) return;
         const int* table = p.block_table + req * p.block_table_stride;
-        load_page_tiles<0, kTilesK>(0, block_id(table, req, r.first_page));
+        load_page_tiles<0, kTilesK>(0, r.first_page, piece_block_id(table, req, r.seqlen, r.first_page));
         if (r.first_page + 1 < r.end_page) {
-            const int next = block_id(table, req, r.first_page + 1);
-            load_page_tiles<4, kTilesK>(1, next);
-            load_page_tiles<0, 4>(1, next);
+            const int next = piece_block_id(table, req, r.seqlen, r.first_page + 1);
+            load_page_tiles<4, kTilesK>(1, r.first_page + 1, next);
+            load_page_tiles<0, 4>(1, r.first_page + 1, next);
         }
     }
 
@@ -201,7 +224,7 @@ struct SplitKVCta {
     __device__ __forceinline__ void zero_invalid_v_rows(Element* page, int valid) const {
         valid = max(valid, 0);
         constexpr int kChunksPerRow = 4 * 8;              // 4 tiles x 8 chunks of 16 bytes
-        for (int i = idx; i < (kPageBlock - valid) * kChunksPerRow; i += 128) {
+        for (int i = idx; i < (kBlockN - valid) * kChunksPerRow; i += 128) {
             const int row = valid + i / kChunksPerRow;
             const int tile = kHalf * 4 + (i / 8) % 4;
             reinterpret_cast<uint4*>(page + tile * kTileElems + row * kTileCols)[i % 8] = make_uint4(0, 0, 0, 0);
@@ -217,15 +240,15 @@ struct SplitKVCta {
                              uint32_t& phase0) const {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
-        const int first_token = page * kPageBlock;
+        const int first_token = page * kBlockN;
         Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
         // instead of delaying the TMA requests that need them.
         int next_id0 = 0, next_id1 = 0;
         if constexpr (!kLast0 && !kLast1) {
-            if (idx == 0) {
-                next_id0 = block_id(block_table, req, page + 2);
-                if (page + 3 < end_page) next_id1 = block_id(block_table, req, page + 3);
+            if (loads_piece()) {
+                next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
+                if (page + 3 < end_page) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
             }
         }
 
@@ -237,7 +260,7 @@ struct SplitKVCta {
 
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
         if constexpr (!kLast0 && !kLast1) {
-            if (idx == 0) load_page_tiles<0, 4>(0, next_id0);   // V0_L consumed
+            if (loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);   // V0_L consumed
         }
         float scale1[2];
         read_scale1(st.scale1, idx, scale1);
@@ -247,7 +270,7 @@ struct SplitKVCta {
         named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
 
         if constexpr (!kLast0) {
-            if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kPageBlock);
+            if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kBlockN);
             named_barrier_sync(int(WgBarrier::kP1Issued), 256);
             wg0_rescale_o(o, rows, scale1);
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
@@ -257,7 +280,7 @@ struct SplitKVCta {
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
-                if (idx == 0) load_page_tiles<0, 4>(1, next_id1);
+                if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
             qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             phase0 ^= 1;
@@ -272,13 +295,13 @@ struct SplitKVCta {
                              uint32_t& phase1) const {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
-        const int first_token = (page + 1) * kPageBlock;
+        const int first_token = (page + 1) * kBlockN;
         Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
         if constexpr (!kLast0 && !kLast1) {
-            if (idx == 0) {
-                next_id0 = block_id(block_table, req, page + 2);
-                if constexpr (!kLast2) next_id1 = block_id(block_table, req, page + 3);
+            if (loads_piece()) {
+                next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
+                if constexpr (!kLast2) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
             }
         }
 
@@ -294,17 +317,17 @@ struct SplitKVCta {
             fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
         }
         named_barrier_sync(int(WgBarrier::kP0Ready), 256);
-        if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kPageBlock);
+        if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kBlockN);
         pv_smem_p<T, 1>(st.p0, k0, o, idx);                       // O_R += P0 V0_R
         if constexpr (!kLast0) named_barrier_arrive(int(WgBarrier::kP1Issued), 256);
 
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             warpgroup_wait<1>();                                  // P1 V1_R done: V1_R free
-            if (idx == 0) load_page_tiles<4, kTilesK>(1, next_id1);
+            if (loads_piece()) load_page_tiles<4, kTilesK>(1, page + 3, next_id1);
         }
         if constexpr (!kLast0 && !kLast1) {
             warpgroup_wait<0>();                                  // P0 V0_R done: V0_R free
-            if (idx == 0) load_page_tiles<4, kTilesK>(0, next_id0);
+            if (loads_piece()) load_page_tiles<4, kTilesK>(0, page + 2, next_id0);
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             qk_tiles<T, 4, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
@@ -320,7 +343,7 @@ struct SplitKVCta {
                              uint32_t& phase1) const {
         Tensor q8 = make_tensor<Rope>(typename T::LayoutFragA{});
         load_a_tile<T, Rope>(reinterpret_cast<Rope*>(p1_buf()), q8, idx);
-        Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kPageBlock>>{});
+        Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
         int page = first_page;
         if (wg == 0) {
             qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
@@ -360,9 +383,9 @@ struct SplitKVCta {
     __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
         uint32_t kv_phase = 0;                           // sparse: bit b, the phase of page buffer b
-        if (threadIdx.x == 0) {
-            load_q(begin_req);
-            if constexpr (!T::kSparse) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
+        if (threadIdx.x == 0) load_q(begin_req);
+        if constexpr (!T::kSparse) {
+            if (wg == 0 && loads_piece()) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
         }
 
         #pragma unroll 1
@@ -374,11 +397,12 @@ struct SplitKVCta {
             for (int half = 0; half < 2; ++half) {
                 const int row = fragment_row(half, idx);
                 rows.right_border[half] = p.causal ? min(span.seqlen - causal_mask_len(p, m_block, row),
-                                                         span.end_page * kPageBlock)
+                                                         span.end_page * kBlockN)
                                                    : span.seqlen;
             }
             if (span.bad && threadIdx.x == 0) {
-                report_error(p.error, FLASHMLA_ERROR_SEQLEN_RANGE, req, 0, p.seqlens[req], p.max_blocks_per_seq);
+                report_error(p.error, FLASHMLA_ERROR_SEQLEN_RANGE, req, p.page_block_size, p.seqlens[req],
+                             p.max_blocks_per_seq);
             }
             block_table = p.block_table + req * p.block_table_stride;
             this->req = req;
@@ -411,9 +435,11 @@ struct SplitKVCta {
             reduce_row_sums<T>(rows, st, wg, idx, sums);   // all warps are past the mainloop
             if (req < end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
-                if (threadIdx.x == 0) {
-                    load_q(req + 1);
-                    if constexpr (!T::kSparse) load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, range));
+                if (threadIdx.x == 0) load_q(req + 1);
+                if constexpr (!T::kSparse) {
+                    if (wg == 0 && loads_piece()) {
+                        load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, range));
+                    }
                 }
             } else {
                 pdl_allow_dependents();                             // the combine kernel may start

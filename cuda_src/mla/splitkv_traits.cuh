@@ -39,7 +39,7 @@ struct SplitKVTraits {
     static_assert(!kSparse || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
-    using Page = Int<kPageBlock>;
+    using Page = Int<kBlockN>;
     using DimK = Int<kHeadDimK>;
     using HalfV = Int<kHeadDimV / 2>;
 

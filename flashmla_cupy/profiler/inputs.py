@@ -1,10 +1,12 @@
 """Random inputs on the GPU, laid out as the seed's benchmark lays them out.
 
-MLA: q ``[b, s_q, h_q, 576]`` and a KV cache of ``b · max_seqlen_pad / 64`` pages, request ``i``
-owning pages ``i · P … i · P + P - 1`` (``block_table = arange``, as in the seed); standard-normal
-data; every cache slot at or past a request's length is NaN (as in the seed), so a kernel that
-reads it shows it in ``--check``. Generated in chunks of requests so that the float32 staging
-never exceeds ~1 GiB whatever the shape.
+MLA: q ``[b, s_q, h_q, 576]`` and a KV cache ``[b · n, P, h_kv, 576]`` in pages of ``P =
+shape.page_size`` tokens, request ``i`` owning pages ``i · n … i · n + n - 1`` (``n = max_seqlen_pad /
+P``; ``block_table = arange``, as in the seed); standard-normal data; every cache slot at or past a
+request's length is NaN (as in the seed), so a kernel that reads it shows it in ``--check``.
+Generated per request's ``max_seqlen_pad`` tokens, in chunks of requests so that the float32
+staging never exceeds ~1 GiB whatever the shape: the values depend on the seed and the padded
+length, not on the page size.
 
 Sparse (DeepSeek-V3.2): q bf16 ``[b, s_q, h_q, 576]``; an FP8 cache ``[num_blocks, 64, 1, 656]``
 quantized (``flashmla_cupy.quant``) from standard-normal bf16 rows; ``indices [b, s_q, topk]``,
@@ -68,13 +70,13 @@ def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
     dtype = numpy_dtype(shape.dtype)
     gen = xp.random.default_rng(seed)
     b, s_q, h_q, h_kv, d = shape.batch, shape.s_q, shape.h_q, shape.h_kv, shape.d
-    pad = shape.max_seqlen_pad
-    pages = pad // PAGE_BLOCK
+    pad, page = shape.max_seqlen_pad, shape.page_size
+    pages = pad // page
 
     q = xp.empty((b, s_q, h_q, d), dtype=dtype)
     _store(q, gen.standard_normal(q.shape, dtype=np.float32), dtype, xp)
 
-    k_cache = xp.empty((b * pages, PAGE_BLOCK, h_kv, d), dtype=dtype)
+    k_cache = xp.empty((b * pages, page, h_kv, d), dtype=dtype)
     per_request = k_cache.reshape(b, pad, h_kv, d)
     seqlens = np.asarray(shape.seqlens, dtype=np.int32)
     step = max(1, STAGING_BYTES // (pad * h_kv * d * 4))

@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 from .ceilings import Ceilings
+from .shapes import PAGE_BLOCK
 
 SEED_COLUMNS = ["name", "batch", "seqlen", "head", "bw"]
 CSV_COLUMNS = SEED_COLUMNS + [
     # shape
     "mean_seqlen", "seqlen_mean", "total_seqlen", "max_seqlen", "h_q", "h_kv", "s_q", "varlen",
-    "causal", "dtype", "d", "dv", "s_k", "topk", "heads", "head_dim",
+    "causal", "dtype", "d", "dv", "page_size", "s_k", "topk", "heads", "head_dim",
     # time (ms)
     "ms_median", "ms_p10", "ms_p90", "ms_q1", "ms_q3", "ms_mean", "ms_std", "ms_min", "ms_max", "n_runs",
     # rates and roofs
@@ -29,7 +30,7 @@ CSV_COLUMNS = SEED_COLUMNS + [
     # --check
     "cos_diff_out", "max_abs_out", "cos_diff_lse", "max_abs_lse", "check_ok",
     # context
-    "graph", "copy_gbps_ceiling", "matmul_tflops_ceiling", "error", "notes",
+    "graph", "copy_gbps_ceiling", "matmul_tflops_ceiling", "error", "skipped", "notes",
 ]
 
 PLOT_MISSING = ("--plot needs matplotlib, which is not installed: "
@@ -167,14 +168,18 @@ def print_header(console, rows: list[tuple[str, str]]) -> None:
     console.print(t)
 
 
-def _shape_columns(kind: str) -> list[tuple[str, callable]]:
+def _shape_columns(kind: str, records: list[dict]) -> list[tuple[str, callable]]:
     if kind == "mla":
-        return [
+        columns = [
             ("b", lambda r: str(r["batch"])),
             ("s_k", lambda r: f"{r['mean_seqlen']}" + ("~" if r.get("varlen") else "")),
             ("h_q", lambda r: str(r["h_q"])),
             ("s_q", lambda r: str(r["s_q"])),
         ]
+        # Only where a row leaves the seed's pages: a default run's table stays as it was.
+        if any(r["page_size"] != PAGE_BLOCK for r in records):
+            columns.append(("page", lambda r: str(r["page_size"])))
+        return columns
     if kind == "sparse":
         return [
             ("b", lambda r: str(r["batch"])),
@@ -219,11 +224,12 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
     Times in ms; sparse ones in µs, as its FlashMLA anchors are.
 
     Returns ``(table, error lines)``. ``check`` is accepted for symmetry; the errors against the
-    reference have their own table (``check_table``).
+    reference have their own table (``check_table``). A target that does not apply to a row shows
+    ``n/a`` there (``skipped_lines`` says why).
     """
     unit, fmt_time = ("µs", fmt_us) if kind == "sparse" else ("ms", fmt_ms)
     t = _table(title)
-    shape_cols = _shape_columns(kind)
+    shape_cols = _shape_columns(kind, records)
     for name, _ in shape_cols:
         t.add_column(name, justify="right", no_wrap=True)
     t.add_column(f"{main}\n{unit}", justify="right", style="bold", no_wrap=True)
@@ -253,11 +259,23 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
             if r.get("error"):
                 errors.append(f"{o} at {where}: {r['error']}")
                 cells += ["[red]error[/]", ""]
+            elif r.get("skipped"):
+                cells += ["[dim]n/a[/]", "–"]
             else:
                 sp = m.get("speedup") if m.get("speedup_vs") == o else None
                 cells += [fmt_time(r.get("ms_median")), f"{sp:.1f}×" if _num(sp) else "–"]
         t.add_row(*cells)
     return t, errors
+
+
+def skipped_lines(records: list[dict]) -> list[str]:
+    """Per target and reason, the rows it did not apply to: ``flash_mla at 2 of 4 shapes: why``."""
+    shapes = len({r["shape_index"] for r in records})
+    counts: dict[tuple[str, str], int] = {}
+    for r in records:
+        if r.get("skipped"):
+            counts[r["name"], r["skipped"]] = counts.get((r["name"], r["skipped"]), 0) + 1
+    return [f"{name} at {n} of {shapes} shapes: {why}" for (name, why), n in counts.items()]
 
 
 def check_table(records: list[dict], *, kind: str, targets: list[str], title: str | None = None):
@@ -268,7 +286,7 @@ def check_table(records: list[dict], *, kind: str, targets: list[str], title: st
     limit = (f"pass: cos_diff < {COS_DIFF_LIMIT:g} for out and lse" if with_lse
              else f"pass: max |error| < {ATTENTION_MAX_ABS_LIMIT:g}")
     t = _table(title or f"error against the float64 reference ({limit})")
-    shape_cols = _shape_columns(kind)
+    shape_cols = _shape_columns(kind, records)
     for name, _ in shape_cols:
         t.add_column(name, justify="right", no_wrap=True)
     for name in targets:
@@ -379,8 +397,8 @@ def matplotlib_status() -> str | None:
 def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str = "") -> Path:
     """PNG: GB/s and TFLOP/s against the mean cache length (MLA) or N (attention), per target.
 
-    MLA: one column of axes per s_q, colour per h_q, solid / dashed for fixed / varlen lengths,
-    a marker per target; the measured ceilings as horizontal lines.
+    MLA: one column of axes per s_q (and page size, where a row is not at 64), colour per h_q, solid /
+    dashed for fixed / varlen lengths, a marker per target; the measured ceilings as horizontal lines.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -389,8 +407,9 @@ def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str
     ok = [r for r in records if "gbps" in r]
     targets = list(dict.fromkeys(r["name"] for r in ok))
     markers = dict(zip(targets, "osD^v<>"))
+    paged = kind == "mla" and any(r["page_size"] != PAGE_BLOCK for r in ok)
     if kind == "mla":
-        panels = sorted({r["s_q"] for r in ok}) or [1]
+        panels = sorted({(r["s_q"], r["page_size"]) for r in ok}) or [(1, PAGE_BLOCK)]
         colour_key, colour_label = "h_q", "h_q"
     else:
         panels = [None]
@@ -401,7 +420,7 @@ def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str
     colours = {v: cmap(i / max(len(colour_values) - 1, 1)) for i, v in enumerate(colour_values)}
     x_key = "mean_seqlen" if kind == "mla" else "seqlen"
     for col, panel in enumerate(panels):
-        sub = [r for r in ok if panel is None or r.get("s_q") == panel]
+        sub = [r for r in ok if panel is None or (r["s_q"], r["page_size"]) == panel]
         series: dict[tuple, list[dict]] = {}
         for r in sub:
             series.setdefault((r["name"], r.get(colour_key), bool(r.get("varlen"))), []).append(r)
@@ -417,7 +436,10 @@ def plot(path, records: list[dict], ceilings: Ceilings, *, kind: str, title: str
             axes[0][col].axhline(ceilings.copy_gbps, color="grey", linestyle=":")
         if ceilings.matmul_tflops:
             axes[1][col].axhline(ceilings.matmul_tflops, color="grey", linestyle=":")
-        suffix = f" (s_q = {panel})" if panel is not None else ""
+        suffix = ""
+        if panel is not None:
+            s_q, page = panel
+            suffix = f" (s_q = {s_q}" + (f", page {page}" if paged else "") + ")"
         axes[0][col].set_title(f"bandwidth{suffix}")
         axes[1][col].set_title(f"throughput{suffix}")
         axes[0][col].set_ylabel("GB/s")

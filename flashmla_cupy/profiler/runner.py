@@ -1,7 +1,8 @@
 """The profile loops: for each shape, allocate inputs, set every target up, time it, free.
 
 Results are flat records (dicts; one per shape and target) that ``report`` turns into the table,
-CSV, JSON and plot. A failing target records its one-line error and the loop goes on; Ctrl-C stops
+CSV, JSON and plot. A failing target records its one-line error and the loop goes on; a target that
+does not apply to a shape (``Target.supports``) records why under ``skipped``, untimed; Ctrl-C stops
 the loop and keeps what was measured. A workload with anchors (``anchors``: FlashMLA's times from
 another run) adds a record for them after the measured ones, as its baseline.
 """
@@ -362,6 +363,10 @@ def _measure_target(t: Target, inp, ref, work: Workload, dev, c: ceil_mod.Ceilin
                     index: int, shape, flops: int, nbytes: int, on_note) -> dict:
     rec = {"name": t.name, **work.fields(shape), "shape_index": index, "flops": flops, "bytes": nbytes,
            "graph": config.graph}
+    why = t.supports(shape)
+    if why:
+        rec["skipped"] = why
+        return rec
     try:
         prep = t.setup(inp)
         if ref is not None:

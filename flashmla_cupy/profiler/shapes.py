@@ -1,18 +1,21 @@
 """Workloads and their cost model (pure Python: no GPU, no CuPy).
 
-MLA decoding shapes follow the seed's test and benchmark: page block 64, head_dim_k 576 (512 + 64
-rope), head_dim_v 512, and per shape ``batch`` cache lengths: all equal to the mean, or with
-``varlen`` drawn from normal(mean, mean / 2), at least ``s_q``, truncated to an integer. The draws
-come from one ``random.Random(seed)`` consumed in grid order (batch, seqlen, h_q, s_q, varlen), which
-is exactly what the seed's test does after ``random.seed(0)``: with the default grid and seed 0 the
-cache lengths are the ones behind the measured anchors.
+MLA decoding shapes follow the seed's test and benchmark: head_dim_k 576 (512 + 64 rope), head_dim_v
+512, pages of 64 tokens (or any power of two: ``page_size``), and per shape ``batch`` cache lengths:
+all equal to the mean, or with ``varlen`` drawn from normal(mean, mean / 2), at least ``s_q``,
+truncated to an integer. The draws come from one ``random.Random(seed)`` consumed in grid order
+(batch, seqlen, h_q, s_q, varlen), which is exactly what the seed's test does after
+``random.seed(0)``: with the default grid and seed 0 the cache lengths are the ones behind the
+measured anchors. The grid is crossed with the page sizes innermost, without drawing again: a
+shape's rows at each page size have the same cache lengths.
 
 FLOPs and bytes use the seed benchmark's formulas:
 
     FLOPs = 2 · s_q · Σseqlen · h_q · (d + dv)
     bytes = elem · (Σseqlen · h_kv · d + b · s_q · h_q · d + b · s_q · h_q · dv)
 
-(the KV cache read once, q read once, the output written once; elem = 2 for bf16/fp16).
+(the KV cache read once, q read once, the output written once; elem = 2 for bf16/fp16). Both
+count tokens, so the page size does not enter them.
 
 Sparse decoding (DeepSeek-V3.2) is a list of production rows, each ``(b, h_q, s_q, s_k, topk)``:
 request i owns ``s_k`` tokens of an FP8 cache (656 bytes a token) and each of its query tokens
@@ -35,7 +38,7 @@ from ..constants import FP8_TOKEN_BYTES
 
 HEAD_DIM_K = 576
 HEAD_DIM_V = 512
-PAGE_BLOCK = 64
+PAGE_BLOCK = 64            # tokens per cache page in the seed's layout: MLA's default, the sparse cache's
 SEQLEN_PAD = 256           # the seed pads each request's cache to a multiple of 256 tokens
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -77,9 +80,20 @@ ATTENTION_SEED_SHAPE = (16, 12, 64, 64)
 ATTENTION_SWEEP_N = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
+def is_page_size(n: int) -> bool:
+    """A page size the dense call takes: a power of two (1, 2, 4, ..., 64, ..., 256, ...)."""
+    return n >= 1 and n & (n - 1) == 0
+
+
+def page_text(page_size: int) -> str:
+    """`` page=P`` for a label, empty at the seed's 64 (its labels stay as they were)."""
+    return "" if page_size == PAGE_BLOCK else f" page={page_size}"
+
+
 @dataclass(frozen=True)
 class MLAShape:
-    """One decoding problem: ``batch`` requests, ``s_q`` query tokens each, a paged KV cache."""
+    """One decoding problem: ``batch`` requests, ``s_q`` query tokens each, a KV cache in pages of
+    ``page_size`` tokens."""
     batch: int
     mean_seqlen: int
     h_q: int
@@ -91,6 +105,7 @@ class MLAShape:
     dtype: str = "bf16"
     d: int = HEAD_DIM_K
     dv: int = HEAD_DIM_V
+    page_size: int = PAGE_BLOCK
 
     @property
     def total_seqlen(self) -> int:
@@ -107,27 +122,31 @@ class MLAShape:
 
     @property
     def max_seqlen_pad(self) -> int:
-        return -(-self.max_seqlen // SEQLEN_PAD) * SEQLEN_PAD
+        """The longest length rounded up to the seed's 256 tokens, or to a whole page where pages
+        are larger (both powers of two: the larger is a multiple of the smaller)."""
+        unit = max(SEQLEN_PAD, self.page_size)
+        return -(-self.max_seqlen // unit) * unit
 
     @property
     def num_blocks(self) -> int:
-        """Pages in the KV cache as the seed lays it out: ``batch · max_seqlen_pad / 64``."""
-        return self.batch * self.max_seqlen_pad // PAGE_BLOCK
+        """Pages in the KV cache as the seed lays it out: ``batch · max_seqlen_pad / page_size``."""
+        return self.batch * self.max_seqlen_pad // self.page_size
 
     @property
     def key(self) -> tuple:
+        """The grid coordinates the cache lengths are drawn for (the page size is not one)."""
         return (self.batch, self.mean_seqlen, self.h_q, self.s_q, self.varlen)
 
     def label(self) -> str:
         return (f"b={self.batch} s_k={self.mean_seqlen}{'~' if self.varlen else ''} "
-                f"h_q={self.h_q} s_q={self.s_q}")
+                f"h_q={self.h_q} s_q={self.s_q}{page_text(self.page_size)}")
 
     def as_dict(self) -> dict:
         return {
             "batch": self.batch, "mean_seqlen": self.mean_seqlen, "seqlen_mean": self.seqlen_mean,
             "total_seqlen": self.total_seqlen, "max_seqlen": self.max_seqlen, "h_q": self.h_q,
             "h_kv": self.h_kv, "s_q": self.s_q, "varlen": self.varlen, "causal": self.causal,
-            "dtype": self.dtype, "d": self.d, "dv": self.dv,
+            "dtype": self.dtype, "d": self.d, "dv": self.dv, "page_size": self.page_size,
         }
 
 
@@ -139,9 +158,13 @@ def draw_seqlens(rng: random.Random, batch: int, mean: int, s_q: int, varlen: bo
 
 
 def mla_grid(batches=SEED_BATCHES, seqlens=SEED_SEQLENS, heads=SEED_HEADS, s_qs=SEED_S_Q,
-             varlens=SEED_VARLEN, *, h_kv: int = 1, causal: bool = True, dtype: str = "bf16",
-             seed: int = 0) -> list[MLAShape]:
-    """The grid in the seed test's order, cache lengths drawn from ``random.Random(seed)``."""
+             varlens=SEED_VARLEN, *, page_sizes=(PAGE_BLOCK,), h_kv: int = 1, causal: bool = True,
+             dtype: str = "bf16", seed: int = 0) -> list[MLAShape]:
+    """The grid in the seed test's order, cache lengths drawn from ``random.Random(seed)``; each
+    shape once per page size (innermost), all with the lengths drawn for it."""
+    for p in page_sizes:
+        if not is_page_size(p):
+            raise ValueError(f"page size {p} is not a power of two")
     rng = random.Random(seed)
     shapes = []
     for b in batches:
@@ -151,15 +174,19 @@ def mla_grid(batches=SEED_BATCHES, seqlens=SEED_SEQLENS, heads=SEED_HEADS, s_qs=
                     raise ValueError(f"h_q={h_q} is not a multiple of h_kv={h_kv}")
                 for s_q in s_qs:
                     for varlen in varlens:
-                        shapes.append(MLAShape(b, s, h_q, s_q, varlen, draw_seqlens(rng, b, s, s_q, varlen),
-                                               h_kv=h_kv, causal=causal, dtype=dtype))
+                        lens = draw_seqlens(rng, b, s, s_q, varlen)
+                        shapes += [MLAShape(b, s, h_q, s_q, varlen, lens, h_kv=h_kv, causal=causal, dtype=dtype,
+                                            page_size=p) for p in page_sizes]
     return shapes
 
 
-def quick_grid(*, h_kv: int = 1, causal: bool = True, dtype: str = "bf16", seed: int = 0) -> list[MLAShape]:
-    """``--quick``: the QUICK_KEYS shapes, with the cache lengths they have in the full grid."""
-    full = {s.key: s for s in mla_grid(h_kv=h_kv, causal=causal, dtype=dtype, seed=seed)}
-    return [full[k] for k in QUICK_KEYS]
+def quick_grid(*, page_sizes=(PAGE_BLOCK,), h_kv: int = 1, causal: bool = True, dtype: str = "bf16",
+               seed: int = 0) -> list[MLAShape]:
+    """``--quick``: the QUICK_KEYS shapes at each page size, with the cache lengths they have in the
+    full grid."""
+    full = {(s.key, s.page_size): s for s in mla_grid(page_sizes=page_sizes, h_kv=h_kv, causal=causal,
+                                                       dtype=dtype, seed=seed)}
+    return [full[k, p] for k in QUICK_KEYS for p in page_sizes]
 
 
 def element_bytes(dtype: str) -> int:

@@ -4,7 +4,8 @@
 validating call whose result feeds ``--check``) and returns ``Prepared.run``, the zero-argument
 callable that is timed. A new implementation plugs in by adding a ``Target`` to ``MLA_TARGETS``,
 ``SPARSE_TARGETS`` or ``ATTENTION_TARGETS``; ``requires`` says (one line) why it cannot run here, or
-``None``.
+``None``; ``supports(shape)`` says why it cannot run one shape (FlashMLA: pages other than 64
+tokens), or ``None``: that row is skipped as not applicable, not failed.
 
 MLA targets take ``inputs.MLABenchInputs`` (sparse ones ``inputs.SparseBenchInputs``) and return
 ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``; attention targets take ``inputs.AttentionInputs``
@@ -23,6 +24,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .shapes import PAGE_BLOCK
+
 
 @dataclass
 class Prepared:
@@ -40,6 +43,7 @@ class Target:
     description: str
     setup: Callable[[Any], Prepared]
     requires: Callable[[], str | None] = lambda: None
+    supports: Callable[[Any], str | None] = lambda shape: None
 
 
 def _first_line(e: BaseException) -> str:
@@ -181,6 +185,13 @@ def _requires_real_flash_mla() -> str | None:
     return None
 
 
+def _real_flash_mla_supports(shape) -> str | None:
+    """FlashMLA's dense call checks ``page_block_size == 64``."""
+    if shape.page_size != PAGE_BLOCK:
+        return f"FlashMLA's dense call takes pages of {PAGE_BLOCK} tokens only"
+    return None
+
+
 def setup_real_flash_mla(inp) -> Prepared:
     """FlashMLA's own call on the same buffers (torch tensors), in either API generation
     (``flash_mla_api``); the metadata is computed beforehand in both (upstream: by the first call)."""
@@ -234,7 +245,7 @@ MLA_TARGETS: dict[str, Target] = {
     "flash_mla": Target("flash_mla", "FlashMLA's own flash_mla_with_kvcache (the flash_mla package, nvcc build; "
                                      "seed or upstream API) on the same buffers as torch tensors, same stream; "
                                      "metadata computed once beforehand",
-                        setup_real_flash_mla, _requires_real_flash_mla),
+                        setup_real_flash_mla, _requires_real_flash_mla, _real_flash_mla_supports),
     "cupy": Target("cupy", "plain CuPy paged MLA (gather pages, float32 cuBLAS matmuls, softmax): "
                            "the seed benchmark's torch target", setup_cupy_baseline, _requires_cublas),
 }
