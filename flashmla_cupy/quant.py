@@ -1,6 +1,10 @@
-"""DeepSeek-V3.2's FP8 KV cache ("V32_FP8Sparse" in FlashMLA): quantize a bf16 cache, and back.
+"""FP8 KV caches: quantize a 16-bit cache, and back.
 
-One token of the cache is 656 bytes, one 576-value K row (V is its first 512 values)::
+Two layouts. DeepSeek-V3.2's sparse one (``quantize_fp8_sparse``, "V32_FP8Sparse" in FlashMLA),
+below, and the dense one with a single scale per tensor (``quantize_fp8_per_tensor``, vLLM's
+``k_scale`` convention): every value of the tensor is ``fp8 * scale``.
+
+DeepSeek-V3.2's sparse layout: one token of the cache is 656 bytes, one 576-value K row (V is its first 512 values)::
 
     bytes [0, 512)     the 512 "NoPE" values, float8_e4m3fn
     bytes [512, 528)   4 float32 scales: scale i belongs to NoPE values [128 i, 128 i + 128)
@@ -23,6 +27,8 @@ does. The scales and the RoPE part are stored little-endian, as on every CUDA ho
 """
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -39,6 +45,68 @@ BYTE_DTYPES = ("uint8", "int8", "float8_e4m3fn")    # dtypes read as the cache's
 _E4M3FN_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 _DEQUANTIZED_DTYPES = ("float32", "float64", "bfloat16")
+
+
+def quantize_fp8_per_tensor(x, scale=None):
+    """float8_e4m3fn codes of ``x`` with one float32 scale for the whole tensor: ``x ~ fp8 * scale``.
+
+    The dense FP8 cache's convention (vLLM's per-tensor ``k_scale``, and ``q_scale`` for an FP8
+    q). ``fp8 = e4m3fn(clip(float32(x) / scale, -448, 448))``, rounded to nearest even and
+    saturating at e4m3's largest value, as vLLM's ``scaled_fp8_quant`` does (it multiplies by
+    ``1 / scale`` on the GPU, which can round the last bit differently).
+
+    Args:
+        x: any shape (e.g. a paged cache ``[num_blocks, page_block_size, h_kv, 576]``),
+            ``ml_dtypes.bfloat16``, float16 or float32, finite; NumPy or CuPy.
+        scale: a positive finite number, or None: ``amax(|x|) / 448`` in float32 (1 for an
+            all-zero ``x``), so that the largest magnitude becomes 448.
+
+    Returns:
+        ``(codes, scale)``: uint8 codes of x's shape (CuPy has no float8 dtype; NumPy callers
+        may ``.view(ml_dtypes.float8_e4m3fn)``) and the float32 scale as a 0-d array, both in
+        x's library.
+    """
+    if x.dtype.name not in ("bfloat16", "float16", "float32"):
+        raise TypeError(f"x must be ml_dtypes.bfloat16, float16 or float32; got {x.dtype}")
+    xp = _array_module(x)
+    values = to_compute(x)                                             # float32, exact
+    if not bool(xp.isfinite(values).all()):
+        raise ValueError("x must be finite (no inf or NaN): one scale serves the whole tensor")
+    if scale is None:
+        amax = xp.abs(values).max() if values.size else xp.float32(0)
+        scale = xp.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
+        if not (math.isfinite(scale) and np.float32(scale) > 0):
+            raise ValueError(f"scale must be positive and finite in float32; got {scale!r}")
+        scale = xp.asarray(scale, dtype=np.float32)
+    scaled = xp.clip(values / scale, np.float32(-E4M3_MAX), np.float32(E4M3_MAX)).astype(np.float32)
+    return _float32_to_e4m3fn(xp.ascontiguousarray(scaled), xp), scale
+
+
+def dequantize_fp8_per_tensor(codes, scale, dtype=np.float32):
+    """``fp8 * scale`` of float8_e4m3fn codes (``quantize_fp8_per_tensor``'s convention).
+
+    Args:
+        codes: uint8, int8 or ``ml_dtypes.float8_e4m3fn``, any shape, NumPy or CuPy.
+        scale: the float32 scale (a number or a 0-d / 1-element array of either library).
+        dtype: of the result: ``float32`` (default), ``float64`` or ``ml_dtypes.bfloat16``;
+            computed in float32 (float64 for a float64 result), then rounded to ``dtype``.
+
+    Returns:
+        An array of codes' shape and library; the NaN codes (0x7F, 0xFF) give NaN.
+    """
+    name = np.dtype(dtype).name
+    if name not in _DEQUANTIZED_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(_DEQUANTIZED_DTYPES)}; got {name}")
+    if codes.dtype.name not in BYTE_DTYPES:
+        raise TypeError(f"codes must hold bytes (uint8, int8 or float8_e4m3fn); got {codes.dtype}")
+    xp = _array_module(codes)
+    compute = np.float64 if name == "float64" else np.float32
+    scale = xp.asarray(scale, dtype=np.float32).reshape(()).astype(compute)
+    values = xp.asarray(_E4M3FN_VALUES.astype(compute))[codes.view(xp.uint8)] * scale
+    return from_float32(values, dtype) if name == "bfloat16" else values
 
 
 def _array_module(x):

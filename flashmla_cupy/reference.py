@@ -5,9 +5,9 @@ be read and trusted, that computes in float64 whatever the input precision. Ever
 accepts NumPy arrays or CuPy arrays and returns arrays of the same library, so that large cases
 (batch 128, 16k tokens, 128 heads) can be checked on the GPU itself.
 
-* ``mla_decode``: paged MLA decoding (FlashMLA's ``flash_mla_with_kvcache``): per request it
-  gathers only the cache pages that hold valid tokens and does one matmul for the scores and one
-  for the output per KV head.
+* ``mla_decode``: paged MLA decoding (FlashMLA's ``flash_mla_with_kvcache``, on a 16-bit cache or
+  a dense FP8 one with one scale per tensor): per request it gathers only the cache pages that
+  hold valid tokens and does one matmul for the scores and one for the output per KV head.
 * ``mla_decode_dense``: the same attention, written naively on a dense per-request cache with
   explicit loops; it exists to cross-check ``mla_decode`` in the tests.
 * ``mla_decode_sparse``: DeepSeek-V3.2's sparse decoding (``flash_mla_with_kvcache`` with
@@ -95,14 +95,16 @@ def _check_mla_shapes(q, k_cache, block_table, cache_seqlens, head_dim_v):
 
 
 def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
-               softmax_scale: float | None = None, causal: bool = False):
+               softmax_scale: float | None = None, causal: bool = False, k_scale=None, q_scale=None):
     """Paged MLA decoding attention in float64 (what ``flash_mla_with_kvcache`` computes).
 
     Args:
         q: ``[b, s_q, h_q, d]`` (d = 576 for DeepSeek's MLA; any d >= head_dim_v works),
-            bfloat16 (``ml_dtypes``), float16, float32 or float64.
+            bfloat16 (``ml_dtypes``), float16, float32 or float64; or FP8 codes (uint8, int8,
+            ``ml_dtypes.float8_e4m3fn``) with ``q_scale``.
         k_cache: ``[num_blocks, page_block_size, h_kv, d]``, the paged KV cache; the page size
             is read from the shape. V is ``k_cache[..., :head_dim_v]`` (K and V share the latent).
+            FP8 codes with ``k_scale``: a dense FP8 cache, one scale for the whole tensor.
         block_table: int ``[b, max_blocks]``; token j of request i lives in page
             ``block_table[i, j // page_block_size]`` at slot ``j % page_block_size``. Entries past
             a request's last page are never read.
@@ -112,6 +114,9 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
         softmax_scale: multiplies the scores Q K^T; default ``d ** -0.5``.
         causal: for s_q > 1 (multi-token prediction): query token i (0-based) sees the keys
             ``j < seqlen - (s_q - 1 - i)``, i.e. the last query token sees the whole sequence.
+        k_scale, q_scale: the dequantization scales of an FP8 k_cache and q (required with
+            them, refused without): values are ``fp8 * scale``, exactly in float64
+            (``quant.quantize_fp8_per_tensor``).
 
     Returns:
         ``(out, lse)`` in float64: ``[b, s_q, h_q, head_dim_v]`` and ``[b, h_q, s_q]`` (natural-log
@@ -121,6 +126,8 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
         cache_seqlens may be either (they are read on the host).
     """
     _check_mla_shapes(q, k_cache, block_table, cache_seqlens, head_dim_v)
+    q_scale = _fp8_scale(q, q_scale, "q", "q_scale")
+    k_scale = _fp8_scale(k_cache, k_scale, "k_cache", "k_scale")
     xp = _array_module(q)
     if _array_module(k_cache) is not xp:
         raise TypeError("q and k_cache must both be NumPy arrays or both be CuPy arrays")
@@ -134,7 +141,7 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
         raise ValueError(f"cache_seqlens must lie in [0, {table.shape[1] * page_size}] "
                          f"(block_table columns x page size); got {seqlens.tolist()}")
 
-    q64 = to_float64(q)
+    q64 = _dequantized(q, q_scale)
     out = xp.zeros((b, s_q, h_q, head_dim_v), dtype=np.float64)
     lse = xp.full((b, h_q, s_q), np.inf, dtype=np.float64)
     for i in range(b):
@@ -145,7 +152,7 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
         # Only this request's pages, cut to its length before the cast: NaN in unused slots
         # never enters the arithmetic.
         keys = k_cache[xp.asarray(pages)].reshape(-1, h_kv, d)[:seqlen]
-        keys = to_float64(keys)                                           # [seqlen, h_kv, d]
+        keys = _dequantized(keys, k_scale)                                # [seqlen, h_kv, d]
         # Query rows are (token, head-in-group) pairs, token-major; their visible key counts:
         visible = seqlen - (s_q - 1 - np.arange(s_q)) if causal else np.full(s_q, seqlen)
         hidden = xp.arange(seqlen)[None, :] >= xp.asarray(np.repeat(visible, heads_per_kv))[:, None]
@@ -166,6 +173,21 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
             out[i, :, heads, :] = o.reshape(s_q, heads_per_kv, head_dim_v)
             lse[i, heads, :] = row_lse.reshape(s_q, heads_per_kv).T
     return out, lse
+
+
+def _fp8_scale(x, scale, name: str, scale_name: str):
+    """The scale of an FP8 ``x`` (codes: a byte dtype) as a float, or None for a float ``x``."""
+    fp8 = x.dtype.name in quant.BYTE_DTYPES
+    if fp8 and scale is None:
+        raise ValueError(f"{name} holds FP8 codes ({x.dtype}): {scale_name} is required")
+    if not fp8 and scale is not None:
+        raise ValueError(f"{scale_name} is only for an FP8 {name} (a byte dtype); {name} is {x.dtype}")
+    return None if scale is None else float(_to_host(scale).reshape(()))
+
+
+def _dequantized(x, scale):
+    """``x`` in float64: FP8 codes times their scale, or the floats as they are."""
+    return to_float64(x) if scale is None else quant.dequantize_fp8_per_tensor(x, scale, np.float64)
 
 
 def mla_decode_dense(q, k, seqlens, head_dim_v: int = 512, softmax_scale: float | None = None,

@@ -375,3 +375,66 @@ def test_upstream_torch_code_gives_the_same_bytes(device):
         back[..., t * 128:(t + 1) * 128] = result[..., t * 128:(t + 1) * 128].to(torch.float32) * result_scales[..., t:t + 1]
     np.testing.assert_array_equal(quant.dequantize_fp8_sparse(torch_bytes, ml_dtypes.bfloat16).view(np.uint16),
                                   back.view(torch.int16).cpu().numpy().view(np.uint16))
+
+
+# --------------------------------------------------------------------------------------------
+# The dense FP8 cache: one scale per tensor
+# --------------------------------------------------------------------------------------------
+
+def test_per_tensor_round_trip_within_half_an_e4m3_step():
+    rng = np.random.default_rng(111)
+    for dtype in (BF16, np.float16, np.float32):
+        x = (rng.standard_normal((3, 16, 2, 576)) * 2.0 ** rng.integers(-12, 12, (3, 16, 2, 1))).astype(dtype)
+        codes, scale = quant.quantize_fp8_per_tensor(x)
+        assert codes.dtype == np.uint8 and codes.shape == x.shape and scale.dtype == np.float32 and scale.shape == ()
+        x32 = x.astype(np.float32)
+        assert scale == np.abs(x32).max() / np.float32(448)
+        values = quant._E4M3FN_VALUES[codes]
+        assert np.abs(values).max() == 448                  # the largest magnitude lands on e4m3's largest
+        np.testing.assert_array_equal(codes.view(E4M3), np.clip(x32 / scale, -448, 448).astype(E4M3))
+        back = quant.dequantize_fp8_per_tensor(codes, scale, np.float64)
+        # Half a step of e4m3 (3 mantissa bits) above its smallest normal 2**-6, half of 2**-9 below.
+        bound = np.maximum(np.abs(x32 / scale) * 2.0 ** -4, 2.0 ** -10) * scale * (1 + 1e-6)
+        assert (np.abs(back - x32.astype(np.float64)) <= bound).all()
+
+
+def test_per_tensor_given_scale_saturates_and_zero_tensor_gets_scale_one():
+    x = np.array([-1000.0, -448.0, -1.0, 0.0, 3 * 2.0 ** -11, 3.0, 500.0], dtype=np.float32)
+    codes, scale = quant.quantize_fp8_per_tensor(x, scale=0.5)
+    assert scale == np.float32(0.5)
+    np.testing.assert_array_equal(quant._E4M3FN_VALUES[codes], [-448, -448, -2, 0, 2.0 ** -8, 6, 448])   # 1.5 steps: even
+    codes, scale = quant.quantize_fp8_per_tensor(np.zeros((4, 576), np.float32))
+    assert scale == 1 and not codes.any()
+    for dtype in (np.float32, np.float64, ml_dtypes.bfloat16):
+        back = quant.dequantize_fp8_per_tensor(np.array([0x7F, 0x38, 0xB8], np.uint8), np.float32(0.25), dtype)
+        assert back.dtype == np.dtype(dtype)
+        assert np.isnan(back.astype(np.float64)[0]) and back.astype(np.float64)[1:].tolist() == [0.25, -0.25]
+
+
+def test_per_tensor_bad_arguments():
+    x = np.ones((2, 576), np.float32)
+    with pytest.raises(TypeError, match="x must be ml_dtypes.bfloat16, float16 or float32; got float64"):
+        quant.quantize_fp8_per_tensor(x.astype(np.float64))
+    with pytest.raises(ValueError, match="x must be finite"):
+        quant.quantize_fp8_per_tensor(np.array([1.0, np.inf], np.float32))
+    for bad in (0.0, -1.0, math.inf, math.nan, 1e-50):
+        with pytest.raises(ValueError, match="scale must be positive and finite in float32"):
+            quant.quantize_fp8_per_tensor(x, scale=bad)
+    with pytest.raises(TypeError, match="scale must be a number or None; got str"):
+        quant.quantize_fp8_per_tensor(x, scale="1")
+    with pytest.raises(TypeError, match="codes must hold bytes"):
+        quant.dequantize_fp8_per_tensor(x, 1.0)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        quant.dequantize_fp8_per_tensor(np.zeros(3, np.uint8), 1.0, np.float16)
+
+
+@pytest.mark.gpu
+def test_per_tensor_cupy_arrays_give_the_numpy_codes():
+    import cupy
+    x = (np.random.default_rng(112).standard_normal((64, 2, 576)) * 3).astype(np.float32).astype(BF16)
+    want, want_scale = quant.quantize_fp8_per_tensor(x)
+    got, scale = quant.quantize_fp8_per_tensor(cupy.asarray(x.view(np.uint16)).view(BF16))
+    assert isinstance(got, cupy.ndarray) and float(scale) == float(want_scale)
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    np.testing.assert_array_equal(cupy.asnumpy(quant.dequantize_fp8_per_tensor(got, scale, np.float64)),
+                                  quant.dequantize_fp8_per_tensor(want, want_scale, np.float64))

@@ -305,3 +305,43 @@ def test_cupy_arrays_give_the_numpy_results(rng):
     for g, w in zip(got, want):
         np.testing.assert_allclose(cupy.asnumpy(g), w, **TIGHT)
     assert reference.cos_diff(cupy.asarray(want[0]), want[0]) < 1e-15
+
+
+# --- dense FP8 cache and q (one scale per tensor) -----------------------------------------
+
+@pytest.mark.parametrize("fp8_q", [False, True])
+def test_fp8_cache_is_the_reference_on_its_dequantized_values(rng, fp8_q):
+    """An FP8 cache (and q) with their scales give exactly what the float64 dequantized arrays
+    give; the NaN codes in slots no request reads stay out."""
+    from flashmla_cupy import quant
+    seqlens, s_q, h_q = [70, 1, 0, 130], 2, 16
+    q, k_cache, table, _, _ = paged_case(rng, seqlens, s_q, h_q, 1, d=576, page=16, dtype="bf16")
+    unread = np.isnan(k_cache.astype(np.float32))
+    codes, k_scale = quant.quantize_fp8_per_tensor(np.where(unread, 0, k_cache.astype(np.float32)).astype(k_cache.dtype))
+    codes[unread] = 0x7F                                         # a NaN code wherever no request reads
+    want_q, q_scale = q, None
+    if fp8_q:
+        q, q_scale = quant.quantize_fp8_per_tensor(q)
+        want_q = quant.dequantize_fp8_per_tensor(q, q_scale, np.float64)
+    dequantized = quant.dequantize_fp8_per_tensor(codes, k_scale, np.float64)
+    for causal in (False, True):
+        out, lse = reference.mla_decode(q, codes, table, np.asarray(seqlens), 512, causal=causal,
+                                        k_scale=k_scale, q_scale=q_scale)
+        want_out, want_lse = reference.mla_decode(want_q, dequantized, table, np.asarray(seqlens), 512, causal=causal)
+        assert np.isfinite(out).all()
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_fp8_scales_are_required_exactly_with_fp8_arrays(rng):
+    from flashmla_cupy import quant
+    q, k_cache, table, seqlens, _ = paged_case(rng, [5], 1, 2, 1, d=576, dtype="bf16")
+    codes, k_scale = quant.quantize_fp8_per_tensor(np.nan_to_num(k_cache.astype(np.float32)).astype(k_cache.dtype))
+    with pytest.raises(ValueError, match=r"k_cache holds FP8 codes \(uint8\): k_scale is required"):
+        reference.mla_decode(q, codes, table, seqlens)
+    with pytest.raises(ValueError, match="k_scale is only for an FP8 k_cache .*bfloat16"):
+        reference.mla_decode(q, k_cache, table, seqlens, k_scale=1.0)
+    with pytest.raises(ValueError, match=r"q holds FP8 codes \(uint8\): q_scale is required"):
+        reference.mla_decode(codes[:1, :1].reshape(1, 1, 1, 576), codes, table, seqlens, k_scale=k_scale)
+    with pytest.raises(ValueError, match="q_scale is only for an FP8 q"):
+        reference.mla_decode(q, codes, table, seqlens, k_scale=k_scale, q_scale=0.5)
