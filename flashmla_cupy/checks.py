@@ -168,6 +168,23 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+FP8_CACHE_DTYPES = ("uint8", "int8", "float8_e4m3fn")     # an FP8 cache's bytes, or e4m3 values
+
+
+def require_fp8_cache(k_cache, what: str) -> None:
+    if k_cache.dtype.name not in FP8_CACHE_DTYPES:
+        raise TypeError(f"k_cache must hold {what} (uint8, int8 or float8_e4m3fn); got {k_cache.dtype.name}")
+
+
+def fp8_scale(x, name: str) -> cupy.ndarray:
+    """A dequantization scale: one float32 on the GPU (shape () or (1,)), read by the kernel."""
+    arr = as_device_array(x, name)
+    require_dtype(arr, name, [np.float32])
+    if arr.size != 1 or arr.ndim > 1:
+        raise ValueError(f"{name} must hold one float32 (shape () or (1,)); got shape {tuple(arr.shape)}")
+    return arr
+
+
 # --------------------------------------------------------------------------------------------
 # get_mla_metadata
 # --------------------------------------------------------------------------------------------
@@ -208,6 +225,7 @@ class MLAInputs:
     cache_seqlens: cupy.ndarray
     tile_scheduler_metadata: cupy.ndarray
     num_splits: cupy.ndarray
+    k_scale: cupy.ndarray | None             # the FP8 cache's scale; None: a 16-bit cache
     batch: int
     s_q: int
     h_q: int
@@ -222,6 +240,7 @@ class MLAInputs:
     k_cache_strides: tuple | None = None      # bytes
     block_table_stride: int | None = None     # elements
     block_table_columns: int | None = None
+    fp8_cache: bool = False
 
     def __post_init__(self):
         if self.q is not None:
@@ -230,6 +249,7 @@ class MLAInputs:
             self.k_cache_shape, self.k_cache_strides = tuple(self.k_cache.shape), tuple(self.k_cache.strides)
             self.block_table_stride = self.block_table.strides[0] // self.block_table.itemsize
             self.block_table_columns = self.block_table.shape[1]
+            self.fp8_cache = self.k_scale is not None
 
     @property
     def heads_per_kv(self) -> int:
@@ -241,8 +261,9 @@ class MLAInputs:
 
 
 def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-               num_splits, softmax_scale, causal) -> MLAInputs:
-    """Checked arguments of flash_mla_with_kvcache (the device must be a Hopper GPU)."""
+               num_splits, softmax_scale, causal, k_scale=None) -> MLAInputs:
+    """Checked arguments of flash_mla_with_kvcache (the device must be a Hopper GPU); ``k_scale``
+    given: the dense FP8 cache (e4m3 values, bf16 q)."""
     q = as_device_array(q, "q")
     k_cache = as_device_array(k_cache, "k_cache")
     block_table = as_device_array(block_table, "block_table")
@@ -250,9 +271,15 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     tile_scheduler_metadata = as_device_array(tile_scheduler_metadata, "tile_scheduler_metadata")
     num_splits = as_device_array(num_splits, "num_splits")
 
-    require_dtype(q, "q", [bfloat16(), np.float16])
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache must have q's dtype {q.dtype.name}; got {k_cache.dtype.name}")
+    fp8 = k_scale is not None
+    if fp8:
+        k_scale = fp8_scale(k_scale, "k_scale")
+        require_dtype(q, "q (with the FP8 cache)", [bfloat16()])
+        require_fp8_cache(k_cache, "the FP8 cache's e4m3 values")
+    else:
+        require_dtype(q, "q", [bfloat16(), np.float16])
+        if k_cache.dtype != q.dtype:
+            raise TypeError(f"k_cache must have q's dtype {q.dtype.name}; got {k_cache.dtype.name}")
     for arr, name in ((block_table, "block_table"), (cache_seqlens, "cache_seqlens"),
                       (tile_scheduler_metadata, "tile_scheduler_metadata"), (num_splits, "num_splits")):
         require_dtype(arr, name, [np.int32])
@@ -284,6 +311,8 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     if h_q == 0 or h_q % h_kv:
         raise ValueError(f"q must have a positive multiple of k_cache's {h_kv} heads (axis 2); "
                          f"got shape {tuple(q.shape)}")
+    if fp8 and h_kv != 1:
+        raise ValueError(f"k_cache (FP8) must have one head (axis 2; MLA's latent cache); got shape {tuple(k_cache.shape)}")
     if block_table.shape[0] != batch or block_table.shape[1] == 0:
         raise ValueError(f"block_table must have one row per request ({batch}) and at least one column; "
                          f"got shape {tuple(block_table.shape)}")
@@ -309,7 +338,11 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     for arr, name in ((cache_seqlens, "cache_seqlens"), (tile_scheduler_metadata, "tile_scheduler_metadata"),
                       (num_splits, "num_splits")):
         require_contiguous(arr, name)
-    # TMA: 16-byte aligned base and strides (q: base; other strides are handled by a copy).
+    if fp8 and k_cache.strides[1] != HEAD_DIM_K and page > 1:
+        raise ValueError(f"k_cache (FP8)'s tokens must be contiguous rows of {HEAD_DIM_K} bytes "
+                         f"(strides (*, {HEAD_DIM_K}, *, 1)); got strides {k_cache.strides}")
+    # TMA: 16-byte aligned base and strides (q: base; other strides are handled by a copy). The
+    # FP8 cache is read by 16-byte loads: the same rule.
     if k_cache.data.ptr % 16 or any(s % 16 for s in k_cache.strides[:3]):
         raise ValueError(f"k_cache must start on a 16-byte boundary with 16-byte-multiple strides (TMA); "
                          f"got address {k_cache.data.ptr:#x}, strides {k_cache.strides}")
@@ -321,7 +354,7 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
         raise ValueError(f"softmax_scale must be at most float32 max / log2(e); got {softmax_scale!r}")
     causal = require_bool(causal, "causal")
 
-    return MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+    return MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, k_scale,
                      batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
 
 

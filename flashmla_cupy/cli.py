@@ -16,6 +16,8 @@ import argparse
 import re
 import sys
 
+from .profiler.shapes import FP8_CACHE
+
 SUBCOMMANDS = ("profile", "compile", "info")
 PROFILE_KINDS = ("mla", "sparse", "attention")     # `flashmla-cupy KIND` = `flashmla-cupy profile KIND`
 EPILOG = """\
@@ -26,6 +28,7 @@ examples:
   flashmla-cupy profile --quick --inputs torch --baseline flash_mla    torch tensors, FlashMLA side by side
   flashmla-cupy profile --quick --value-checks off                   the default call without value checks
   flashmla-cupy profile --quick --page-size 1,16,64,256 --check      each shape at four KV-cache page sizes
+  flashmla-cupy profile --quick --dtype fp8 --check                  the dense FP8 cache (576 B/token), bf16 q
   flashmla-cupy profile sparse --quick --check   DeepSeek-V3.2 sparse FP8 decoding, two production rows
   flashmla-cupy profile attention            the minimal FlashAttention kernel against manual attention
   flashmla-cupy compile --arch sm_90a        build every kernel without a GPU
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each shape (CUDA events, L2 flushed, warm-up first) and compare with the copy-"
                     "bandwidth and matmul ceilings measured in the same run. MLA: what is timed is the call "
                     "users make (default arguments, value checks in their current mode) on CuPy arrays, or on "
-                    "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it. "
+                    "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it; "
+                    "--dtype fp8 times it over the dense FP8 cache. "
                     "Sparse: the same call with indices over the FP8 cache; on an H200, FlashMLA's times from "
                     "another run stand beside it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true",
                    help="a few shapes (seconds, not minutes): 4 of the MLA grid, the first 2 sparse rows, "
                         "or N 64 and 1024 for attention")
-    g.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="MLA dtype (default bf16)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", FP8_CACHE), default="bf16",
+                   help="MLA: q and KV-cache dtype (default bf16); fp8 = the dense FP8 cache (e4m3 codes, one "
+                        "float32 k_scale, 576 B/token) with bf16 q and out: h_kv 1, CuPy inputs, the baselines n/a "
+                        "(FlashMLA has no dense FP8 decoding on Hopper). Not for sparse")
     g.add_argument("--batch", type=_int_list, metavar="B[,B...]",
                    help="batch sizes (default: 128; attention: 16)")
     g.add_argument("--seqlens", type=_int_list, metavar="S[,S...]",
@@ -140,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLA: also time another implementation on the same buffers in the same process, "
                         "with a speed-up column (its time / ours): flash_mla = FlashMLA's own "
                         "flash_mla_with_kvcache (the flash_mla package, seed or upstream API; skipped with the "
-                        "reason when it is not importable, n/a at page sizes other than 64), cupy = the plain "
-                        "CuPy implementation (flashmla_cupy.baselines); default none. attention always compares "
+                        "reason when it is not importable, n/a at page sizes other than 64 and with --dtype fp8), "
+                        "cupy = the plain CuPy implementation (flashmla_cupy.baselines; n/a with --dtype fp8); "
+                        "default none. attention always compares "
                         "with manual attention; sparse has none (on an H200, FlashMLA's times from another run "
                         "stand beside it)")
     o.add_argument("--inputs", choices=("cupy", "torch"), default="cupy",
@@ -269,8 +277,22 @@ def select_targets(kind: str, inputs: str, baseline: str) -> tuple[str, str | No
     return targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
 
 
+def _mla_refusal(args) -> str | None:
+    """Why ``profile`` (MLA) cannot do what these options ask, or ``None``."""
+    if args.dtype == FP8_CACHE and args.h_kv != 1:
+        return (f"--dtype fp8 takes --h-kv 1 only: the FP8 cache kernel reads one latent KV head; "
+                f"got --h-kv {args.h_kv}")
+    if args.dtype == FP8_CACHE and args.inputs != "cupy":
+        return (f"--inputs {args.inputs} is not available with --dtype fp8: the profiler's torch target does not "
+                "pass the FP8 cache's k_scale; use --inputs cupy")
+    return None
+
+
 def _sparse_refusal(args) -> str | None:
     """Why ``profile sparse`` cannot do what these options ask, or ``None``."""
+    if args.dtype == FP8_CACHE:
+        return ("--dtype fp8 is not available for sparse: sparse decoding always reads DeepSeek-V3.2's own FP8 "
+                "cache (656 B/token, a scale per 128 values); --dtype fp8 is the dense FP8 cache of profile mla")
     if args.baseline != "none":
         return (f"--baseline {args.baseline} is not available for sparse: there is no plain CuPy sparse decoding, "
                 "and FlashMLA's sparse kernel is not built here (on an H200, its times from another run stand "
@@ -290,7 +312,7 @@ def cmd_profile(args) -> int:
     from .profiler.env import NoGPU, environment
 
     kind = args.what
-    why = _sparse_refusal(args) if kind == "sparse" else None
+    why = _mla_refusal(args) if kind == "mla" else _sparse_refusal(args) if kind == "sparse" else None
     if why:
         raise _fail("profile", why)
     if args.plot and report.matplotlib_status():
@@ -329,7 +351,7 @@ def cmd_profile(args) -> int:
     except Exception as e:  # noqa: BLE001 - the run reports per-target failures itself
         err.print(f"[yellow]kernel prebuild failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}[/]")
 
-    result = _run_with_progress(kind, shape_list, config, gpu, err)
+    result = _run_with_progress(runner.workload(kind, args.dtype), shape_list, config, gpu, err)
 
     out.print()
     for line in report.describe_ceilings(result.ceilings):
@@ -363,19 +385,19 @@ def cmd_profile(args) -> int:
 
 def _table_title(kind: str, shape) -> str:
     if kind == "mla":
-        return f"MLA decoding, {shape.dtype}, {'causal' if shape.causal else 'non-causal'}, h_kv {shape.h_kv}"
+        dtype = "q bf16, FP8 cache (576 B/token, one scale)" if shape.dtype == FP8_CACHE else shape.dtype
+        return f"MLA decoding, {dtype}, {'causal' if shape.causal else 'non-causal'}, h_kv {shape.h_kv}"
     if kind == "sparse":
         return "DeepSeek-V3.2 sparse decoding: q bf16, FP8 cache (656 B/token), attention sink"
     return "attention, float32"
 
 
-def _run_with_progress(kind, shape_list, config, gpu, err):
+def _run_with_progress(work, shape_list, config, gpu, err):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
     from .profiler import runner
 
-    work = runner.workload(kind)
     total = len(shape_list) * len(config.targets)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
@@ -386,7 +408,7 @@ def _run_with_progress(kind, shape_list, config, gpu, err):
             progress.advance(task)
             if rec.get("ms_median") is not None:
                 progress.console.print(
-                    f"  {rec['name']:<18} {_shape_text(kind, rec):<36} {rec['ms_median']:.3f} ms  "
+                    f"  {rec['name']:<18} {_shape_text(work.kind, rec):<36} {rec['ms_median']:.3f} ms  "
                     f"{rec['gbps']:.0f} GB/s  {rec['tflops']:.0f} TFLOP/s", highlight=False)
 
         return runner.run(work, shape_list, config, gpu=gpu,

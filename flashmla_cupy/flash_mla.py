@@ -164,7 +164,8 @@ def _new_workspace(torch, q, k_cache, tile_scheduler_metadata, sparse: bool) -> 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int, tile_scheduler_metadata,
                            num_splits, softmax_scale: float | None = None, causal: bool = False,
-                           is_fp8_kvcache: bool = False, indices=None, attn_sink=None, topk_length=None):
+                           is_fp8_kvcache: bool = False, indices=None, attn_sink=None, topk_length=None, *,
+                           k_scale=None):
     """Paged MLA decoding attention on torch tensors (FlashMLA's ``flash_mla_with_kvcache``).
 
     Args:
@@ -182,6 +183,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             cache (torch.uint8/int8/float8_e4m3fn ``[num_blocks, page_block_size, 1, 656]``,
             torch.int32 indices ``[batch, s_q, topk]``; block_table and cache_seqlens unused), as
             ``flashmla_cupy.flash_mla_with_kvcache`` documents them.
+        k_scale: with ``is_fp8_kvcache=True`` and no indices, the dense FP8 cache (torch.uint8 or
+            int8 ``[num_blocks, page_block_size, 1, 576]`` of e4m3 codes, q bf16): its
+            torch.float32 one-element scale on the GPU (vLLM's ``k_scale``).
 
     Returns:
         ``(out, softmax_lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype and torch.float32
@@ -205,7 +209,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         workspace = _workspace(torch, q, k_cache, tile_scheduler_metadata, indices is not None, index, stream)
         return mla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                           num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
-                                          topk_length, out=out, lse=lse, workspace=workspace, stream=stream)
+                                          topk_length, k_scale=k_scale, out=out, lse=lse, workspace=workspace,
+                                          stream=stream)
     finally:
         if previous != index:
             _set_device(previous)

@@ -114,7 +114,8 @@ def _metadata_launch(device_id: int, stream_ptr: int) -> launch.Launch:
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int,
                            tile_scheduler_metadata, num_splits, softmax_scale: float | None = None,
                            causal: bool = False, is_fp8_kvcache: bool = False, indices=None, attn_sink=None,
-                           topk_length=None, *, out=None, lse=None, workspace=None, stream=None):
+                           topk_length=None, *, k_scale=None, q_scale=None, out=None, lse=None, workspace=None,
+                           stream=None):
     """Paged MLA decoding attention (FlashMLA's interface) on CuPy arrays or torch tensors.
 
     Args:
@@ -137,6 +138,16 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         stream: a ``cupy.cuda.Stream``, a raw ``cudaStream_t``, or an object with
             ``cuda_stream`` / ``__cuda_stream__`` (torch streams); default CuPy's current
             stream. Inputs must be ready on it.
+
+    The FP8 cache (``is_fp8_kvcache=True``, no ``indices``; vLLM's per-tensor convention):
+        k_cache: ``[num_blocks, page_block_size, 1, 576]`` float8_e4m3 values (uint8 / int8 /
+            float8_e4m3fn), token rows contiguous; K = V = value * k_scale
+            (``quant.quantize_fp8_per_tensor`` builds it); pages of any power-of-two size.
+        k_scale: float32 GPU array of one element (shape () or (1,)), read by the kernel (so it
+            may change between calls, and CUDA graphs replay its current value).
+        q: bf16; out bf16. Inside, Q, K, V and P are fp16 (e4m3 values are exact in it; q is
+            exact for 2^-14 <= |q| < 65504, rounded to fp16's subnormals below).
+        q_scale: an FP8 q is not supported yet (a ValueError says so).
 
     Sparse decoding (DeepSeek-V3.2; ``indices`` given, FlashMLA's semantics):
         is_fp8_kvcache: must be True: k_cache is ``[num_blocks, page_block_size, 1, 656]`` bytes
@@ -166,12 +177,27 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     """
     stream_ptr = cupy.cuda.get_current_stream().ptr if stream is None else interop.stream_handle(stream)
     device_id = cupy.cuda.runtime.getDevice()
+    if q_scale is not None:
+        raise ValueError("q_scale: an FP8 q is not supported yet; pass q in bf16 (with the FP8 cache: "
+                         "is_fp8_kvcache=True, k_scale=...)")
     if indices is None:
-        if is_fp8_kvcache is not False or attn_sink is not None or topk_length is not None:
-            raise ValueError("is_fp8_kvcache, attn_sink and topk_length are for sparse decoding (pass indices); "
-                             "the dense kernel reads a bf16/fp16 cache")
-        arrays, names = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits), _DENSE_ARRAYS
+        if attn_sink is not None or topk_length is not None:
+            raise ValueError("attn_sink and topk_length are for sparse decoding (pass indices)")
+        arrays = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+        fp8 = is_fp8_kvcache if is_fp8_kvcache is False or is_fp8_kvcache is True else \
+            checks.require_bool(is_fp8_kvcache, "is_fp8_kvcache")
+        if fp8:
+            if k_scale is None:
+                raise ValueError("k_scale is required with the FP8 cache (is_fp8_kvcache=True): a float32 GPU "
+                                 "array of one element, the cache's dequantization scale")
+            arrays, names = arrays + (k_scale,), _DENSE_FP8_ARRAYS
+        elif k_scale is not None:
+            raise ValueError("k_scale is for the FP8 cache: pass is_fp8_kvcache=True")
+        else:
+            names = _DENSE_ARRAYS
     else:
+        if k_scale is not None:
+            raise ValueError("k_scale is for the dense FP8 cache; the sparse cache carries its own scales")
         arrays = (q, k_cache, indices, tile_scheduler_metadata, num_splits, topk_length, attn_sink)
         names = _SPARSE_ARRAYS
     layout = layout_key(arrays)
@@ -185,13 +211,15 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
            causal, type(causal), is_fp8_kvcache, type(is_fp8_kvcache), layout[0])
     plan = _plans.get(key)
     if plan is None:
-        plan = _new_plan(key, stream_ptr, arrays, head_dim_v, softmax_scale, causal, is_fp8_kvcache)
+        plan = _new_plan(key, stream_ptr, arrays, names is _SPARSE_ARRAYS, head_dim_v, softmax_scale, causal,
+                         is_fp8_kvcache)
     if from_torch and stream is None:       # torch wrote the inputs on its current stream
         interop.wait_for_torch(device_id, stream_ptr)
     return plan.run(layout[1], arrays[0], out, lse, workspace)
 
 
 _DENSE_ARRAYS = ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")
+_DENSE_FP8_ARRAYS = _DENSE_ARRAYS + ("k_scale",)
 _SPARSE_ARRAYS = ("q", "k_cache", "indices", "tile_scheduler_metadata", "num_splits", "topk_length", "attn_sink")
 _OPTIONAL_ARRAYS = ("topk_length", "attn_sink")
 
@@ -223,13 +251,11 @@ _plans: OrderedDict[tuple, LaunchPlan] = OrderedDict()
 _plans_lock = threading.Lock()
 
 
-def _new_plan(key, stream_ptr, arrays, head_dim_v, softmax_scale, causal, is_fp8_kvcache) -> LaunchPlan:
+def _new_plan(key, stream_ptr, arrays, sparse_call, head_dim_v, softmax_scale, causal, is_fp8_kvcache) -> LaunchPlan:
     """Check every argument (the first call with a layout), then keep its plan."""
     family = "cupy" if type(arrays[0]) is cupy.ndarray else "torch"
-    if len(arrays) == len(_DENSE_ARRAYS):
-        q, k_cache, block_table, cache_seqlens, metadata, num_splits = arrays
-        a = checks.mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, metadata, num_splits,
-                              softmax_scale, causal)
+    if not sparse_call:      # (k_scale: the FP8 cache)
+        a = checks.mla_inputs(*arrays[:4], head_dim_v, *arrays[4:6], softmax_scale, causal, *arrays[6:])
         plan = CallPlan(a, stream_ptr, family)
     else:
         q, k_cache, indices, metadata, num_splits, topk_length, attn_sink = arrays

@@ -34,6 +34,7 @@ class SplitKVParams(ctypes.Structure):
         ("topk_length", ctypes.c_uint64),
         ("attn_sink", ctypes.c_uint64),
         ("cache", ctypes.c_uint64),
+        ("kv_scale", ctypes.c_uint64),
         ("block_table_stride", ctypes.c_int64),
         ("max_blocks_per_seq", ctypes.c_int32),
         ("num_blocks", ctypes.c_int32),
@@ -52,6 +53,8 @@ class SplitKVParams(ctypes.Structure):
         ("cache_tokens", ctypes.c_int64),
         ("topk", ctypes.c_int32),
         ("page_block_size", ctypes.c_int32),
+        ("page_shift", ctypes.c_int32),
+        ("piece_shift", ctypes.c_int32),
         ("sparse_s_q", ctypes.c_int32),
     ]
 

@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
-from .constants import BLOCK_M, BLOCK_N, COMBINE_WARPS, HEAD_DIM_K, HEAD_DIM_V, SPLITKV_THREADS
+from .constants import BLOCK_M, BLOCK_N, COMBINE_WARPS, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS, SPLITKV_THREADS
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -242,14 +242,19 @@ class LaunchPlan:
             entry[4] = address
 
 
+# The dense FP8 cache's pointer fields: the dense ones and theirs (indices .. attn_sink unused).
+FP8_SPLITKV_POINTERS = SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink", "cache", "kv_scale")
+
+
 class CallPlan(LaunchPlan):
     """A checked dense call layout on one device and stream: kernels, launch configurations,
-    constant parameter fields, tensor maps and a default workspace."""
+    constant parameter fields, tensor maps and a default workspace. The 16-bit cache is read by
+    TMA (its tensor map here); the FP8 cache by the kernel's producer warpgroup (its address)."""
 
     def __init__(self, a: checks.MLAInputs, stream_ptr: int, family: str):
         # Sizes only: a plan must not keep the caller's arrays (the cache can be many GB) alive.
         self.inputs = a = dataclasses.replace(a, q=None, k_cache=None, block_table=None, cache_seqlens=None,
-                                              tile_scheduler_metadata=None, num_splits=None)
+                                              tile_scheduler_metadata=None, num_splits=None, k_scale=None)
         # Q is read in place when its (token, head) pairs form evenly strided rows; else it is
         # copied into the workspace as [batch][q_rows][h_kv][576].
         s_b, s_s, s_h, _ = a.q_strides
@@ -260,25 +265,30 @@ class CallPlan(LaunchPlan):
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
+        maps = [(SplitKVParams.tma_q.offset, *q_map)]
+        if not a.fp8_cache:     # a box is one piece of a page (kernel)
+            maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N)))
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
-                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts),
-                         [(SplitKVParams.tma_q.offset, *q_map),
-                          (SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides,
-                           min(a.k_cache_shape[1], BLOCK_N))])     # a box is one piece of a page (kernel)
+                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), maps)
 
     def _prepare_launches(self) -> None:
         """Load (compiling on first use) the kernels and prebuild both launches."""
         a = self.inputs
         tag = "fp16" if self.dtype == np.float16 else "bf16"
-        splitkv = launch.get_kernel(programs.splitkv_program(tag))
+        splitkv = launch.get_kernel(programs.splitkv_program(programs.FP8_TAG if a.fp8_cache else tag))
         combine = launch.get_kernel(programs.combine_program(tag))
         num_m_blocks = -(-a.q_rows // BLOCK_M)
-        self.splitkv = splitkv.prepare((num_m_blocks, a.h_kv, a.num_sm_parts), (SPLITKV_THREADS, 1, 1),
-                                       SplitKVParams, smem=programs.SPLITKV_SMEM_BYTES,
-                                       stream=self.stream_ptr, pdl=True)
+        # FP8: a producer warpgroup more, and pairs of m-blocks share its pages (fp8_producer.cuh)
+        threads = SPLITKV_THREADS + (PRODUCER_THREADS if a.fp8_cache else 0)
+        self.splitkv = splitkv.prepare((num_m_blocks, a.h_kv, a.num_sm_parts), (threads, 1, 1), SplitKVParams,
+                                       smem=programs.SPLITKV_SMEM_BYTES, stream=self.stream_ptr, pdl=True,
+                                       cluster_x=2 if a.fp8_cache and num_m_blocks % 2 == 0 else 1)
         p = self.splitkv.params
         p.block_table_stride, p.max_blocks_per_seq = a.block_table_stride, a.block_table_columns
         p.num_blocks, p.page_block_size = a.k_cache_shape[:2]
+        p.page_shift = p.page_block_size.bit_length() - 1
+        p.piece_shift = min(p.page_block_size, BLOCK_N).bit_length() - 1
+        p.cache_block_stride = a.k_cache_strides[0]
         p.total_splits = a.batch + a.num_sm_parts
         p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.batch, a.s_q, a.q_rows, a.heads_per_kv
         p.h_q, p.h_kv, p.causal, p.sparse_s_q = a.h_q, a.h_kv, int(a.causal), 1
@@ -292,26 +302,30 @@ class CallPlan(LaunchPlan):
         c.batch, c.q_rows, c.h_kv, c.heads_per_kv = a.batch, a.q_rows, a.h_kv, a.heads_per_kv
         c.s_q, c.h_q, c.max_splits, c.total_splits = a.s_q, a.h_q, a.num_sm_parts, a.batch + a.num_sm_parts
         c.sparse_s_q = 1
-        self._splitkv_pointers = pointer_run(SplitKVParams, SPLITKV_POINTERS)
+        self._splitkv_pointers = pointer_run(SplitKVParams, FP8_SPLITKV_POINTERS if a.fp8_cache else SPLITKV_POINTERS)
         self._combine_pointers = pointer_run(CombineParams, COMBINE_POINTERS)
 
     def run(self, pointers, q, out, lse, workspace):
         """Launch both kernels for arrays of this plan's layout at ``pointers`` (q, k_cache,
-        block_table, cache_seqlens, metadata, num_splits); ``q`` is only read for a copy."""
+        block_table, cache_seqlens, metadata, num_splits[, k_scale]); ``q`` is only read for a copy."""
         a = self.inputs
         out, out_ptr, lse, lse_ptr, ws = self._begin_run(out, lse, workspace)
-        q_ptr, k_ptr, table_ptr, seqlens_ptr, meta_ptr, splits_ptr = pointers
+        q_ptr, k_ptr, table_ptr, seqlens_ptr, meta_ptr, splits_ptr = pointers[:6]
         error_ptr = errors.kernel_pointer(self.record)
         with self._lock:
             if not self.q_in_place:
                 q_ptr = self._copy_q_rows(q_ptr, q, ws)
             o_ptr = out_ptr if a.h_kv == 1 else ws.o_rows_ptr
             self._update_map(0, q_ptr)
-            self._update_map(1, k_ptr)
             lse_accum_ptr, o_accum_ptr = ws.lse_accum_ptr, ws.o_accum_ptr
             offset, fmt = self._splitkv_pointers
-            struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-                             lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr)
+            if a.fp8_cache:
+                struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+                                 lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr, 0, 0, 0, k_ptr, pointers[6])
+            else:
+                self._update_map(1, k_ptr)
+                struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+                                 lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr)
             self.splitkv()
             offset, fmt = self._combine_pointers
             struct.pack_into(fmt, self.combine.buffer, offset, splits_ptr, lse_accum_ptr, o_accum_ptr, o_ptr,

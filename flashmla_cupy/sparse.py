@@ -18,11 +18,9 @@ import numpy as np
 
 from . import checks, errors, launch, programs, scheduler
 from .constants import BLOCK_M, COMBINE_WARPS, FP8_TOKEN_BYTES, HEAD_DIM_K, HEAD_DIM_V, SCHED_META_INTS, \
-    SPARSE_PRODUCER_THREADS, SPLITKV_THREADS
+    PRODUCER_THREADS, SPLITKV_THREADS
 from .params import CombineParams, SplitKVParams
 from .plan import COMBINE_POINTERS, SPLITKV_POINTERS, LaunchPlan, pointer_run
-
-_FP8_CACHE_DTYPES = ("uint8", "int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +77,7 @@ def sparse_inputs(q, k_cache, head_dim_v, metadata, num_splits, softmax_scale, c
     num_splits = checks.as_device_array(num_splits, "num_splits")
 
     checks.require_dtype(q, "q", [checks.bfloat16()])
-    if k_cache.dtype.name not in _FP8_CACHE_DTYPES:
-        raise TypeError(f"k_cache must hold the FP8 cache's bytes (uint8, int8 or float8_e4m3fn); "
-                        f"got {k_cache.dtype.name}")
+    checks.require_fp8_cache(k_cache, "the FP8 cache's bytes")
     checks.require_dtype(indices, "indices", [np.int32])
     checks.require_ndim(q, "q", 4, "[batch, s_q, h_q, 576]")
     checks.require_ndim(k_cache, "k_cache", 4, f"[num_blocks, page_block_size, 1, {FP8_TOKEN_BYTES}]")
@@ -164,9 +160,9 @@ class SparsePlan(LaunchPlan):
         splitkv = launch.get_kernel(programs.splitkv_program(programs.SPARSE_FP8_TAG))
         combine = launch.get_kernel(programs.combine_program("bf16"))
         m_blocks = -(-a.h_q // BLOCK_M)
-        # m-blocks pair up in clusters of two CTAs that share the dequantized pages (sparse_producer.cuh)
+        # m-blocks pair up in clusters of two CTAs that share the dequantized pages (fp8_producer.cuh)
         self.splitkv = splitkv.prepare((m_blocks, 1, a.num_sm_parts),
-                                       (SPLITKV_THREADS + SPARSE_PRODUCER_THREADS, 1, 1), SplitKVParams,
+                                       (SPLITKV_THREADS + PRODUCER_THREADS, 1, 1), SplitKVParams,
                                        smem=programs.SPLITKV_SMEM_BYTES, stream=self.stream_ptr, pdl=True,
                                        cluster_x=2 if m_blocks % 2 == 0 else 1)
         p = self.splitkv.params

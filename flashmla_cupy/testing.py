@@ -4,6 +4,9 @@ Every input is fresh random data (never zeros). The KV cache holds the requests'
 randomly permuted block ids among spare blocks; every slot no request may read (spare blocks,
 tokens past a request's length) is NaN, and block-table columns past a request's pages hold
 garbage ids, so a kernel that reads anything it should not produces NaN or a fault.
+
+The dtype "fp8" is the dense FP8 cache: bf16 q, e4m3 codes (NaN codes in the unreadable slots)
+with the scale ``FP8_SCALE`` in ``MLACase.k_scale``.
 """
 from __future__ import annotations
 
@@ -15,13 +18,20 @@ import ml_dtypes
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy import reference
+from flashmla_cupy import quant, reference
 
 PAGE = 64             # FlashMLA's page block size: the cases' default
 D_K = 576
 D_V = 512
 
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
+FP8_SCALE = 0.0371      # the FP8 cases' k_scale: not a power of two; N(0, 1) values saturate past 16.6
+E4M3_NAN = 0x7F
+
+
+def q_dtype(dtype: str) -> str:
+    """q's dtype for a case dtype ("fp8": the FP8 cache, with bf16 q)."""
+    return "bf16" if dtype == "fp8" else dtype
 
 
 @dataclass
@@ -34,12 +44,18 @@ class MLACase:
     s_q: int
     h_q: int
     h_kv: int
+    k_scale: cupy.ndarray | None = None    # the FP8 cache's scale (k_cache: e4m3 codes); None: 16-bit
 
     def to_host(self) -> "MLACase":
         """The same case with NumPy copies of the arrays (for a reference computed on the CPU)."""
         return dataclasses.replace(self, q=cupy.asnumpy(self.q), k_cache=cupy.asnumpy(self.k_cache),
                                    block_table=cupy.asnumpy(self.block_table),
-                                   cache_seqlens=cupy.asnumpy(self.cache_seqlens))
+                                   cache_seqlens=cupy.asnumpy(self.cache_seqlens),
+                                   k_scale=None if self.k_scale is None else cupy.asnumpy(self.k_scale))
+
+    def cache_kwargs(self) -> dict:
+        """The keywords of ``flash_mla_with_kvcache`` that describe the cache's format."""
+        return {} if self.k_scale is None else {"is_fp8_kvcache": True, "k_scale": self.k_scale}
 
     @property
     def page_size(self) -> int:
@@ -51,7 +67,8 @@ class MLACase:
 
     def describe(self) -> str:
         b = len(self.seqlens)
-        return (f"b={b} s_q={self.s_q} h_q={self.h_q} h_kv={self.h_kv} page={self.page_size} dtype={self.q.dtype} "
+        dtype = self.q.dtype if self.k_scale is None else f"{self.q.dtype}, fp8 cache"
+        return (f"b={b} s_q={self.s_q} h_q={self.h_q} h_kv={self.h_kv} page={self.page_size} dtype={dtype} "
                 f"seqlens[:8]={self.seqlens[:8].tolist()}")
 
 
@@ -80,8 +97,9 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
         valid_tokens[ids[start:start + n]] = np.clip(seqlens[i] - page_size * np.arange(n), 0, page_size)
         start += n
 
-    q = _random(rng, (batch, s_q, h_q, D_K), dtype)
-    k_cache = cupy.empty((num_blocks, page_size, h_kv, D_K), dtype=DTYPES[dtype])
+    q = _random(rng, (batch, s_q, h_q, D_K), q_dtype(dtype))
+    fp8 = dtype == "fp8"
+    k_cache = cupy.empty((num_blocks, page_size, h_kv, D_K), dtype=np.uint8 if fp8 else DTYPES[dtype])
     valid = cupy.asarray(valid_tokens)
     chunk = max(1, (1 << 27) // (page_size * h_kv * D_K))    # ~0.5 GB of float32 at a time
     gen = cupy.random.default_rng(int(rng.integers(2**63)))
@@ -89,8 +107,13 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
         hi = min(num_blocks, lo + chunk)
         block = gen.standard_normal((hi - lo, page_size, h_kv, D_K), dtype=np.float32)
         unreadable = cupy.arange(page_size)[:, None, None] >= valid[lo:hi, None, None, None]
-        k_cache[lo:hi] = cupy.where(unreadable, np.float32(np.nan), block).astype(DTYPES[dtype])
-    return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv)
+        if fp8:
+            codes, _ = quant.quantize_fp8_per_tensor(block, scale=FP8_SCALE)
+            k_cache[lo:hi] = cupy.where(unreadable, np.uint8(E4M3_NAN), codes)
+        else:
+            k_cache[lo:hi] = cupy.where(unreadable, np.float32(np.nan), block).astype(DTYPES[dtype])
+    k_scale = cupy.full((), FP8_SCALE, dtype=np.float32) if fp8 else None
+    return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv, k_scale)
 
 
 def _random(rng: np.random.Generator, shape, dtype: str) -> cupy.ndarray:
@@ -104,8 +127,10 @@ def poisoned(shape, dtype) -> cupy.ndarray:
 
 
 # |out - ref| <= atol + rtol * |ref|: P and O are rounded to the input precision (bf16: 8 bits,
-# fp16: 11 bits of mantissa); lse is computed in fp32 from fp32 scores.
-OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3)}
+# fp16: 11 bits of mantissa); lse is computed in fp32 from fp32 scores. The FP8 cache: P is fp16
+# (K, V and Q are exact in fp16 against the dequantized reference) but O is bf16, whose rounding
+# dominates: bf16's bound.
+OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3), "fp8": (1e-2, 1e-2)}
 LSE_TOL = (1e-3, 1e-5)
 
 
@@ -117,7 +142,7 @@ def run_kernel(inp: MLACase, causal: bool, softmax_scale=None):
     lse = poisoned((b, inp.h_q, inp.s_q), np.float32)
     res = flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                                metadata, num_splits, softmax_scale=softmax_scale,
-                                               causal=causal, out=out, lse=lse)
+                                               causal=causal, out=out, lse=lse, **inp.cache_kwargs())
     assert res[0] is out and res[1] is lse
     return out, lse
 
@@ -130,7 +155,7 @@ def check_against_reference(inp: MLACase, out, lse, causal: bool, dtype: str, so
     """
     xp = cupy.get_array_module(out)
     ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                            softmax_scale=softmax_scale, causal=causal)
+                                            softmax_scale=softmax_scale, causal=causal, k_scale=inp.k_scale)
     out64 = reference.to_float64(out)
     lse64 = lse.astype(np.float64)
     what = inp.describe() + f" causal={causal}"

@@ -314,7 +314,9 @@ class FakeKernel:
         self._launches = launches
 
     def prepare(self, grid, block, params_type, **options):
-        return FakeLaunch(params_type, self._launches)
+        launch = FakeLaunch(params_type, self._launches)
+        launch.grid, launch.block, launch.options = grid, block, options
+        return launch
 
     def launch(self, grid, block, params, **options):
         self._launches.append(params)
@@ -722,6 +724,83 @@ def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeyp
         mla.flash_mla_with_kvcache(**dict(args, q=a.empty((B, SPARSE_S_Q, H_Q, 576), F16)), out=out, lse=lse,
                                    workspace=ws)
     assert len(fake_gpu.launches) == 6
+
+
+# --------------------------------------------------------------------------------------------
+# The dense FP8 cache (is_fp8_kvcache=True with k_scale, no indices): bad arguments, before any launch
+# --------------------------------------------------------------------------------------------
+
+def fp8_args(arrays, **change) -> dict:
+    """A valid dense FP8 call (one KV head) on fake arrays; ``change`` as in ``sparse_args``."""
+    seqlens = arrays.values(SEQLENS)
+    parts = scheduler.num_sm_parts(arrays.sm_count, S_Q * H_Q, 1)
+    args = dict(q=arrays.empty((B, S_Q, H_Q, 576), BF16), k_cache=arrays.empty((NUM_BLOCKS, 64, 1, 576), np.uint8),
+                block_table=arrays.values(BLOCK_TABLE), cache_seqlens=seqlens, head_dim_v=512,
+                tile_scheduler_metadata=arrays.empty((parts, scheduler.SCHED_META_INTS), I32),
+                num_splits=arrays.empty((B + 1,), I32), causal=True, is_fp8_kvcache=True,
+                k_scale=arrays.empty((), F32))
+    args.update({k: v(arrays) if callable(v) else v for k, v in change.items()})
+    return args
+
+
+FP8_CASES = [  # (id, change, error, message)
+    ("no-k_scale", dict(k_scale=None), ValueError, r"^k_scale is required with the FP8 cache \(is_fp8_kvcache=True\)"),
+    ("k_scale-without-fp8", dict(is_fp8_kvcache=False), ValueError,
+     r"^k_scale is for the FP8 cache: pass is_fp8_kvcache=True"),
+    ("k_scale-dtype", dict(k_scale=lambda a: a.empty((1,), F16)), TypeError, r"^k_scale must have dtype float32; got float16"),
+    ("k_scale-shape", dict(k_scale=lambda a: a.empty((2,), F32)), ValueError,
+     r"^k_scale must hold one float32 \(shape \(\) or \(1,\)\); got shape \(2,\)"),
+    ("k_scale-host", dict(k_scale=np.ones((), F32)), TypeError, r"^k_scale must be a GPU array"),
+    ("q_scale", dict(q_scale=lambda a: a.empty((), F32)), ValueError, r"^q_scale: an FP8 q is not supported yet"),
+    ("is_fp8_kvcache-str", dict(is_fp8_kvcache="yes"), TypeError, r"^is_fp8_kvcache must be a bool"),
+    ("q-fp16", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), F16)), TypeError,
+     r"^q \(with the FP8 cache\) must have dtype bfloat16; got float16"),
+    ("cache-bf16", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 576), BF16)), TypeError,
+     r"^k_cache must hold the FP8 cache's e4m3 values \(uint8, int8 or float8_e4m3fn\); got bfloat16"),
+    ("cache-h_kv-2", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 2, 576), np.uint8)), ValueError,
+     r"^k_cache \(FP8\) must have one head \(axis 2; MLA's latent cache\)"),
+    ("cache-656", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 656), np.uint8)), ValueError,
+     r"^k_cache must have head dim \(axis 3\) 576"),
+    ("cache-page-48", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 48, 1, 576), np.uint8)), ValueError,
+     r"^k_cache must have a power-of-two page block size"),
+    ("cache-token-stride", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 576), np.uint8, step=2)), ValueError,
+     r"^k_cache must be contiguous in its last dimension"),
+    ("cache-misaligned", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 576), np.uint8, offset=8)), ValueError,
+     r"^k_cache must start on a 16-byte boundary"),
+    ("sink", dict(attn_sink=lambda a: a.empty((H_Q,), F32)), ValueError, r"^attn_sink and topk_length are for sparse"),
+    ("indices-with-k_scale", dict(indices=lambda a: a.empty((B, S_Q, 64), I32)), ValueError,
+     r"^k_scale is for the dense FP8 cache; the sparse cache carries its own scales"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", [c[1:] for c in FP8_CASES], ids=[c[0] for c in FP8_CASES])
+def test_fp8_call_rejects(change, error, message, fake_gpu):
+    with pytest.raises(error, match=message):
+        mla.flash_mla_with_kvcache(**fp8_args(fake_gpu.arrays, **change))
+    assert fake_gpu.launches == []
+
+
+@pytest.mark.parametrize("page", [1, 64, 256])
+def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monkeypatch):
+    # FP8_CASES differ from these arguments in one argument only. The cache is read by the
+    # producer warpgroup (its address, no tensor map); k_scale's address goes to the kernel.
+    from flashmla_cupy import tma
+
+    monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: bytes(128))       # no driver here
+    a = fake_gpu.arrays
+    args = fp8_args(a, k_cache=lambda a: a.empty((NUM_BLOCKS, page, 1, 576), np.uint8))
+    out, lse = a.empty((B, S_Q, H_Q, 512), BF16), a.empty((B, H_Q, S_Q), F32)
+    parts = args["tile_scheduler_metadata"].shape[0]
+    ws = mla.MLAWorkspace(B, S_Q, H_Q, 1, parts, BF16, alloc=lambda n: a.empty((n,), np.uint8))
+    assert mla.flash_mla_with_kvcache(**args, out=out, lse=lse, workspace=ws) == (out, lse)
+    splitkv, combine = fake_gpu.launches[-2:]
+    p = splitkv.params
+    assert (p.cache, p.kv_scale, p.block_table, p.seqlens) == tuple(
+        args[k].data.ptr for k in ("k_cache", "k_scale", "block_table", "cache_seqlens"))
+    assert (p.indices, p.topk_length, p.attn_sink) == (0, 0, 0)
+    assert (p.page_block_size, p.page_shift, p.cache_block_stride) == (page, page.bit_length() - 1, page * 576)
+    assert splitkv.block[0] == 384 and splitkv.options["cluster_x"] == 1     # one m-block: no pair
+    assert (p.o, p.lse, combine.params.o) == (out.data.ptr, lse.data.ptr, out.data.ptr)
 
 
 @pytest.mark.parametrize("sparse_call", [False, True])

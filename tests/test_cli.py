@@ -70,6 +70,25 @@ def test_page_sizes_reach_the_grid_and_default_to_the_seeds_64():
         (2, False, 1), (2, False, 128), (2, True, 1), (2, True, 128)]
 
 
+def test_dtype_fp8_reaches_the_grid():
+    """--dtype takes the dense FP8 cache beside bf16 and fp16; every shape carries it."""
+    from flashmla_cupy.profiler import shapes
+
+    parse = cli.build_parser().parse_args
+    for dtype in ("bf16", "fp16", "fp8"):
+        quick = cli._mla_shapes(parse(["profile", "--quick", "--dtype", dtype]))
+        assert quick == shapes.quick_grid(dtype=dtype) and {s.dtype for s in quick} == {dtype}
+    assert parse(["profile"]).dtype == "bf16"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "e4m3", "FP8"])
+def test_dtype_rejects_what_the_kernels_do_not_take(capsys, dtype):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--dtype", dtype])
+    assert excinfo.value.code == 2
+    assert "argument --dtype: invalid choice" in capsys.readouterr().err
+
+
 def test_compile_rejects_what_is_not_an_sm_target(capsys):
     for bad in ("foo", "90a", "sm90a", "sm_9", "compute_90a"):
         with pytest.raises(SystemExit) as excinfo:

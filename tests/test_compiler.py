@@ -70,17 +70,18 @@ def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
     the cubin (always there), spills from ptxas's report: a stack of 0 bytes, callees included,
     rules spills out even where a log had no report (spills live in the stack)."""
     cubins = compiler.build_many(programs.mla_programs(), ARCH)
-    sparse = programs.splitkv_program(programs.SPARSE_FP8_TAG).name
+    # NVRTC 12.6-12.8's ptxas spills a few values of the FP8 kernels' scores warpgroup and
+    # producer (12.6.68: 32 B sparse, 80 B dense; 0 from 12.9 on, docs/perf-notes.md sections 14
+    # and 16); bounded so that a regression (the sparse kernel's old split: 416 B) fails.
+    old_ptxas_stack = {programs.splitkv_program(programs.SPARSE_FP8_TAG).name: 64,
+                       programs.splitkv_program(programs.FP8_TAG).name: 96}
     for c in cubins:
         assert c.image[:4] == b"\x7fELF", c.program.name
         for name, res in c.resources.items():
             print(f"{c.program.name}: {res} ({c.compile_seconds:.1f} s)")
             assert res.registers > 0, f"{c.program.name}: no register count for {name} in the cubin"
-            if c.program.name == sparse and compiler._nvrtc().getVersion() < (12, 9):
-                # NVRTC 12.6-12.8's ptxas spills a few values of the sparse kernel's scores
-                # warpgroup and producer (32 B with 12.6.68; 0 from 12.9 on, docs/perf-notes.md
-                # section 14); bounded so that a regression (the old split: 416 B) fails.
-                assert res.cumulative_stack_bytes <= 64, f"{name}: {res}"
+            if c.program.name in old_ptxas_stack and compiler._nvrtc().getVersion() < (12, 9):
+                assert res.cumulative_stack_bytes <= old_ptxas_stack[c.program.name], f"{name}: {res}"
                 continue
             assert res.cumulative_stack_bytes == 0, (
                 f"{name} uses {res.cumulative_stack_bytes} B of stack per thread ({res.stack_bytes} B its own "

@@ -91,7 +91,7 @@ def test_small_shapes(b, seqlen, h_q, h_kv, s_q, causal, dtype):
     check_against_reference(inp, out, lse, causal, dtype)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp8"])
 def test_empty_requests_and_short_causal(dtype):
     """seqlen 0 gives out = 0, lse = +inf; causal rows that see nothing likewise."""
     rng = np.random.default_rng()
@@ -101,11 +101,12 @@ def test_empty_requests_and_short_causal(dtype):
     assert bool((out[0] == 0).all()) and bool(cupy.isinf(lse[0]).all())
 
 
-def test_softmax_scale_and_deterministic():
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_softmax_scale_and_deterministic(dtype):
     rng = np.random.default_rng()
-    inp = make_inputs(rng, rng.integers(1, 3000, 37), 2, 64, 1, "bf16")
+    inp = make_inputs(rng, rng.integers(1, 3000, 37), 2, 64, 1, dtype)
     first = run_kernel(inp, causal=True, softmax_scale=0.1)
-    check_against_reference(inp, *first, True, "bf16", softmax_scale=0.1)
+    check_against_reference(inp, *first, True, dtype, softmax_scale=0.1)
     for _ in range(3):
         again = run_kernel(inp, causal=True, softmax_scale=0.1)
         assert bool((again[0].view(np.uint16) == first[0].view(np.uint16)).all())

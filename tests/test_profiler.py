@@ -87,6 +87,22 @@ def test_flops_and_bytes_by_hand():
     assert shapes.attention_bytes(a) == 4 * 4 * 16 * 12 * 64 * 64
 
 
+def test_fp8_cache_is_counted_at_one_byte_an_element():
+    """A token of the FP8 cache is 576 bytes, of a 16-bit one 1152; q and out stay bf16 (2 bytes);
+    the FLOPs do not change."""
+    bf16, fp8 = _fixed(128, 4096, 16, 1), _fixed(128, 4096, 16, 1, dtype="fp8")
+    one_more_token = {d: dataclasses.replace(_fixed(128, 4096, 16, 1, dtype=d), seqlens=(4097,) + (4096,) * 127)
+                      for d in ("bf16", "fp16", "fp8")}
+    assert shapes.mla_bytes(one_more_token["fp8"]) - shapes.mla_bytes(fp8) == 576
+    assert shapes.mla_bytes(one_more_token["bf16"]) - shapes.mla_bytes(bf16) == 1152
+    assert shapes.mla_bytes(one_more_token["fp16"]) - shapes.mla_bytes(_fixed(128, 4096, 16, 1, dtype="fp16")) == 1152
+    q_and_out = 2 * (128 * 1 * 16 * 576 + 128 * 1 * 16 * 512)
+    assert shapes.mla_bytes(fp8) == 576 * 128 * 4096 + q_and_out == 306_446_336
+    assert shapes.mla_bytes(bf16) == 1152 * 128 * 4096 + q_and_out == 608_436_224
+    assert shapes.mla_flops(fp8) == shapes.mla_flops(bf16)
+    assert [shapes.q_dtype(d) for d in ("bf16", "fp16", "fp8")] == ["bf16", "fp16", "bf16"]
+
+
 @pytest.mark.parametrize("row", [
     # (b, s_k, h_q, s_q, GB/s, TFLOP/s, GB/s / copy, TFLOP/s / matmul, bound) from anchors-h100.md
     (128, 4096, 16, 1, 2399, 72, 0.79, 0.10, "memory"),
@@ -299,6 +315,53 @@ def test_inputs_in_pages_of_any_size_hold_the_seed_layouts_tokens(page):
     assert reference.cos_diff(got_out, out) < 1e-5 and reference.cos_diff(got_lse, lse) < 1e-5
 
 
+def test_fp8_inputs_on_numpy():
+    """The dense FP8 cache: uint8 e4m3 codes of the same random values the bf16 cache holds (at
+    the fixed k_scale, a float32 0-d array), the NaN code past each request's length, bf16 q equal
+    to the bf16 profile's."""
+    bf16_shape = shapes.MLAShape(3, 100, 4, 2, True, (70, 130, 2))
+    shape = dataclasses.replace(bf16_shape, dtype="fp8")
+    inp = inputs.make_mla_inputs(shape, seed=5, xp=np)
+    bf16_inp = inputs.make_mla_inputs(bf16_shape, seed=5, xp=np)
+    assert bf16_inp.k_scale is None
+    assert inp.q.dtype == BF16 and (inp.q.view(np.uint16) == bf16_inp.q.view(np.uint16)).all()
+    assert inp.k_cache.shape == bf16_inp.k_cache.shape == (shape.num_blocks, 64, 1, 576) and inp.k_cache.dtype == np.uint8
+    assert isinstance(inp.k_scale, np.ndarray) and inp.k_scale.dtype == np.float32 and inp.k_scale.shape == ()
+    assert float(inp.k_scale) == np.float32(inputs.FP8_K_SCALE)
+    codes = inp.k_cache.reshape(3, shape.max_seqlen_pad, 1, 576)
+    values = quant.dequantize_fp8_per_tensor(codes, inp.k_scale)
+    bf16_values = baselines.to_compute(bf16_inp.k_cache).reshape(codes.shape)
+    for i, n in enumerate(shape.seqlens):
+        assert (codes[i, n:] == 0x7F).all() and np.isnan(values[i, n:]).all()
+        assert np.isfinite(values[i, :n]).all() and (codes[i, :n] != 0).mean() > 0.9      # random data, not zeros
+        # The same values: e4m3 keeps 3 mantissa bits (half a step: 1/16 relative), bf16 8.
+        assert np.allclose(values[i, :n], bf16_values[i, :n], rtol=1 / 16 + 1 / 256, atol=float(inp.k_scale) / 512)
+    out, lse = runner._mla_reference(inp)              # --check reads the codes with k_scale
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    again = inputs.make_mla_inputs(shape, seed=5, xp=np)
+    assert (again.k_cache == inp.k_cache).all()
+
+
+def test_the_default_call_over_the_fp8_cache_gets_its_scale(monkeypatch):
+    """What is timed is the call users make: over the FP8 cache with is_fp8_kvcache and k_scale, over
+    a 16-bit cache with neither."""
+    from flashmla_cupy import mla
+
+    calls = []
+    monkeypatch.setattr(mla, "get_mla_metadata", lambda seqlens, heads, h_kv: ("metadata", "splits"))
+    monkeypatch.setattr(mla, "flash_mla_with_kvcache", lambda *args, **kwargs: calls.append((args, kwargs)))
+    for dtype in ("fp8", "bf16"):
+        shape = shapes.MLAShape(2, 100, 16, 2, False, (100, 100), dtype=dtype)
+        inp = inputs.make_mla_inputs(shape, xp=np)
+        targets.setup_flashmla(inp).run()
+        args, kwargs = calls[-1]
+        assert args[1] is inp.k_cache and args[5:] == ("metadata", "splits")
+        if dtype == "fp8":
+            assert kwargs == {"causal": True, "is_fp8_kvcache": True, "k_scale": inp.k_scale}
+        else:
+            assert kwargs == {"causal": True}
+
+
 # --------------------------------------------------------------------------------------------
 # The profile loop, end to end on NumPy
 # --------------------------------------------------------------------------------------------
@@ -332,10 +395,24 @@ class FakeSession:
         pass
 
 
-def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[str, ...] = ()):
-    """The MLA workload on NumPy: ``flashmla``, ``cupy`` and ``flash_mla`` run the plain baseline
-    (``flash_mla`` with FlashMLA's page size rule, its ``supports``); the targets named in ``real``
-    are the profiler's own (``targets.MLA_TARGETS``), with their requires()."""
+def _stand_in_kernel(inp):
+    """The default call on NumPy: the plain baseline; over the FP8 cache, which that cannot read,
+    the float64 reference rounded to the call's output dtypes (bf16 out, float32 lse)."""
+    if inp.k_scale is None:
+        return targets.setup_cupy_baseline(inp)
+
+    def run():
+        out, lse = runner._mla_reference(inp)
+        return baselines.from_float32(out.astype(np.float32), BF16), lse.astype(np.float32)
+    return targets.Prepared(run, run())
+
+
+def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[str, ...] = (),
+                        dtype: str = "bf16"):
+    """The MLA workload of ``dtype`` on NumPy: ``flashmla`` is ``_stand_in_kernel``, ``cupy`` and
+    ``flash_mla`` run the plain baseline with their own ``supports`` (FlashMLA's page size rule,
+    no FP8 cache for either); the targets named in ``real`` are the profiler's own
+    (``targets.MLA_TARGETS``), with their requires()."""
     def tracked(name, setup):
         def wrapped(inp):
             session.current = name
@@ -345,15 +422,16 @@ def _numpy_mla_workload(session: FakeSession, broken: bool = False, real: tuple[
         return wrapped
 
     table = {
-        "flashmla": targets.Target("flashmla", "stand-in", tracked("flashmla", targets.setup_cupy_baseline)),
-        "cupy": targets.Target("cupy", "plain baseline", tracked("cupy", targets.setup_cupy_baseline)),
+        "flashmla": targets.Target("flashmla", "stand-in", tracked("flashmla", _stand_in_kernel)),
+        "cupy": targets.Target("cupy", "plain baseline", tracked("cupy", targets.setup_cupy_baseline),
+                               supports=targets.MLA_TARGETS["cupy"].supports),
         "flash_mla": targets.Target("flash_mla", "stand-in", tracked("flash_mla", targets.setup_cupy_baseline),
                                     supports=targets.MLA_TARGETS["flash_mla"].supports),
     }
     for name in real:
         t = targets.MLA_TARGETS[name]
         table[name] = dataclasses.replace(t, setup=tracked(name, t.setup))
-    return dataclasses.replace(runner.mla_workload(), table=table,
+    return dataclasses.replace(runner.mla_workload(dtype), table=table,
                                make_inputs=functools.partial(inputs.make_mla_inputs, xp=np))
 
 
@@ -452,6 +530,29 @@ def test_flash_mla_is_not_applicable_at_other_page_sizes():
     console.print(report.results_table(default_pages, kind="mla", main="flashmla", others=["flash_mla"])[0])
     console.print(report.check_table(default_pages, kind="mla", targets=["flashmla", "flash_mla"]))
     assert "page" not in console.export_text()           # the seed's pages only: the table as it was
+
+
+def test_baselines_are_not_applicable_over_the_fp8_cache():
+    """FlashMLA has no dense FP8 decoding on Hopper and the plain CuPy baseline reads 16-bit caches:
+    over the FP8 cache their rows are n/a with the reason, while the default call runs and checks."""
+    fp8 = shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), s_qs=(1, 2), varlens=(True,), dtype="fp8")
+    for name, why in (("flash_mla", "FlashMLA has no dense FP8 decoding on Hopper (its FP8 cache is the sparse one)"),
+                      ("cupy", "the plain CuPy baseline reads bf16/fp16 caches only")):
+        assert targets.MLA_TARGETS[name].supports(fp8[0]) == why
+        assert targets.MLA_TARGETS[name].supports(dataclasses.replace(fp8[0], dtype="bf16")) is None
+        config = runner.RunConfig(targets=["flashmla", name], baseline=name, check=True)
+        session = FakeSession(config)
+        result = runner.run(_numpy_mla_workload(session, dtype="fp8"), fp8, config, gpu={}, session=session)
+        assert session.calls == 2
+        for r in result.records:
+            assert r["dtype"] == "fp8" and r["bytes"] == shapes.mla_bytes(fp8[r["shape_index"]])
+            if r["name"] == "flashmla":
+                assert r["check_ok"] is True and r["ms_median"] > 0 and "speedup" not in r
+            else:
+                assert r["skipped"] == why and not {"error", "ms_median", "cos_diff_out"} & set(r)
+        assert report.skipped_lines(result.records) == [f"{name} at 2 of 2 shapes: {why}"]
+        assert ceilings.NO_FP8_MATMUL in result.ceilings.notes
+    assert ceilings.NO_FP8_MATMUL not in runner.mla_workload("bf16").ceiling_notes
 
 
 def test_attention_run_on_numpy():
@@ -824,6 +925,7 @@ def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
     (["attention", "--baseline", "flash_mla"], "flash_attn_minimal", "manual"),
     (["sparse"], "flashmla", None),
     (["sparse", "--value-checks", "off"], "flashmla", None),
+    (["--dtype", "fp8", "--baseline", "flash_mla", "--page-size", "16"], "flashmla", "flash_mla"),
 ])
 def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseline):
     import flashmla_cupy
@@ -1041,6 +1143,21 @@ def test_profile_sparse_refuses_what_it_cannot_do(monkeypatch, argv, words):
     _assert_one_line_exit(excinfo, *words)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["sparse", "--dtype", "fp8"], ("--dtype fp8 is not available for sparse", "656 B/token")),
+    (["--dtype", "fp8", "--h-kv", "2"], ("--dtype fp8 takes --h-kv 1 only", "got --h-kv 2")),
+    (["mla", "--dtype", "fp8", "--inputs", "torch"], ("--inputs torch is not available with --dtype fp8", "k_scale")),
+])
+def test_profile_fp8_refuses_what_it_cannot_do(monkeypatch, argv, words):
+    def no_device(config, need_hopper):
+        raise AssertionError("refused before looking for a device")
+
+    monkeypatch.setattr(runner, "require_device", no_device)
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", *argv])
+    _assert_one_line_exit(excinfo, *words)
+
+
 FAKE_GPU = {"name": "Fake H100", "sm_count": 132, "arch": "sm_90a", "compute_capability": "9.0",
             "memory_bytes": 80 << 30, "l2_bytes": 50 << 20}
 
@@ -1061,10 +1178,11 @@ def _cli_with_a_stand_in_gpu(monkeypatch, argv, real=(), gpu=FAKE_GPU):
     monkeypatch.setattr(build, "prebuild", lambda *a, **k: None)
     sessions = []
 
-    def fake_workload(kind):
+    def fake_workload(kind, dtype="bf16"):
         session = FakeSession(None)
         sessions.append(session)
-        return _numpy_sparse_workload(session) if kind == "sparse" else _numpy_mla_workload(session, real=real)
+        return _numpy_sparse_workload(session) if kind == "sparse" else _numpy_mla_workload(session, real=real,
+                                                                                             dtype=dtype)
 
     def fake_run(work, shape_list, config, **kw):
         return real_run(work, [_smaller(s) for s in shape_list], config, session=sessions[-1], **kw)
@@ -1190,6 +1308,33 @@ def test_profile_sparse_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, ca
     assert rows[0]["name"] == "flashmla" and int(rows[0]["seqlen"]) == 256 and int(rows[0]["topk"]) == 64
 
 
+def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
+    """--dtype fp8 through the CLI: its programs prebuilt, the FP8 cache in the title, 576 bytes a
+    token, FlashMLA n/a with the reason (exit 0), no FP8 ceiling said, "fp8" in every CSV and JSON row."""
+    csv_path, json_path = tmp_path / "f.csv", tmp_path / "f.json"
+    built = []
+    profile_programs = build.profile_programs
+    monkeypatch.setattr(build, "profile_programs", lambda *a: built.append(a) or profile_programs(*a))
+    argv = ["profile", "--dtype", "fp8", "--seqlens", "128", "--heads", "16", "--s-q", "1,2", "--varlen", "off",
+            "--baseline", "flash_mla", "--check", "--csv", str(csv_path), "--json", str(json_path)]
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv) == 0
+    assert built == [("mla", "fp8")]
+    out = capsys.readouterr().out
+    assert "MLA decoding, q bf16, FP8 cache (576 B/token, one scale), causal, h_kv 1" in out
+    assert "skipped flash_mla at 2 of 2 shapes: FlashMLA has no dense FP8 decoding on Hopper" in out
+    assert "no FP8 matmul ceiling" in out and "e = 2 (bf16/fp16 cache) or 1 (FP8 cache)" in out
+    assert not [line for line in out.splitlines() if line.startswith("error ")]
+    data = json.loads(json_path.read_text())
+    assert [(r["name"], r["dtype"], "ms_median" in r) for r in data["records"]] == [
+        ("flashmla", "fp8", True), ("flash_mla", "fp8", False)] * 2
+    for r in data["records"]:         # the stand-in's 2 requests of 128 tokens
+        assert r["bytes"] == 576 * 2 * 128 + 2 * 2 * r["s_q"] * 16 * (576 + 512)
+        assert r.get("check_ok", True) is True
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["name"], r["dtype"]) for r in rows] == [("flashmla", "fp8"), ("flash_mla", "fp8")] * 2
+
+
 def test_profile_torch_inputs_unavailable_exits_with_one_line(monkeypatch):
     monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: FAKE_GPU)
     monkeypatch.setattr(targets, "_requires_torch", lambda: "torch is not importable (stand-in)")
@@ -1217,7 +1362,7 @@ def test_help_and_version(capsys):
 
 
 def test_bad_arguments_exit_2():
-    for argv in (["profile", "--heads", "0"], ["profile", "--batch", "x"], ["profile", "--dtype", "fp8"]):
+    for argv in (["profile", "--heads", "0"], ["profile", "--batch", "x"]):
         with pytest.raises(SystemExit) as excinfo:
             cli.main(argv)
         assert excinfo.value.code == 2
@@ -1240,9 +1385,12 @@ def test_a_profile_prebuilds_the_programs_it_launches():
     names = {kind: [p.name for p in build.profile_programs(kind, "fp16")] for kind in ("mla", "sparse")}
     assert names == {"mla": ["splitkv_mla<fp16>", "mla_combine<fp16>", "mla_metadata"],
                      "sparse": ["splitkv_mla<fp8_sparse>", "mla_combine<bf16>", "mla_metadata"]}
+    fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV kernel, bf16 out
+    assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "mla_combine<bf16>", "mla_metadata"]
     assert build.profile_programs("attention") == build.collect_programs("attention")
     registry = build.collect_programs()
     assert all(p in registry for kind in ("mla", "sparse") for p in build.profile_programs(kind))
+    assert all(p in registry for p in fp8)
 
 
 def test_compile_list_without_gpu(capsys):
@@ -1382,6 +1530,23 @@ def test_profile_page_sizes_on_hopper(tmp_path):
     others = [r for r in data["records"] if r["name"] == baseline]
     assert [r["page_size"] for r in others if "skipped" not in r] == ([64] if baseline == "flash_mla"
                                                                       else [1, 16, 64, 128, 512])
+    assert rc == 0
+
+
+@pytest.mark.hopper
+def test_profile_fp8_on_hopper(tmp_path):
+    """The default call over the dense FP8 cache against the float64 reference at two page sizes,
+    576 bytes a token; the CuPy baseline n/a beside it."""
+    path = tmp_path / "f.json"
+    rc = cli.main(["profile", "--dtype", "fp8", "--heads", "64", "--seqlens", "1024", "--s-q", "2", "--varlen", "on",
+                   "--batch", "4", "--page-size", "16,64", "--repeats", "10", "--warmup", "2", "--no-ceilings",
+                   "--check", "--baseline", "cupy", "--json", str(path)])
+    data = json.loads(path.read_text())
+    main = [r for r in data["records"] if r["name"] == "flashmla"]
+    assert [r["page_size"] for r in main] == [16, 64]
+    assert all("error" not in r and r["check_ok"] and r["ms_median"] > 0 and r["dtype"] == "fp8" for r in main), main
+    assert all(r["bytes"] == 576 * r["total_seqlen"] + 2 * 4 * 2 * 64 * (576 + 512) for r in main)
+    assert all(r["skipped"] for r in data["records"] if r["name"] == "cupy")
     assert rc == 0
 
 

@@ -78,6 +78,9 @@ BATCHES = {
     "sq1-hq16-page1-bf16": Batch((100, 64, 1, 3, 0, 700), 1, 16, 1, False, "bf16", 5, page_size=1),
     "sq1-hq64-page16-bf16": Batch((300, 5, 2000, 17, 0, 640), 1, 64, 1, False, "bf16", 3, page_size=16),
     "sq2-hq128-page256-causal-fp16": Batch((900, 5, 3000, 257, 130, 1), 2, 128, 1, True, "fp16", 2, page_size=256),
+    # the FP8 cache: its producer warpgroup reads the block table (alone, and in 2-CTA pairs)
+    "sq1-hq16-fp8": Batch((100, 200, 300, 64, 0, 1000), 1, 16, 1, False, "fp8", 5),
+    "sq2-hq128-page16-causal-fp8": Batch((900, 5, 2000, 64, 130, 1), 2, 128, 1, True, "fp8", 2, page_size=16),
 }
 
 VALUE_CASES = [(b, *k) for b in BATCHES for k in bad_value_kinds(BATCHES[b].causal)]
@@ -140,7 +143,8 @@ def with_bad_value(bases, name: str, argument: str, value_name: str, page: str):
 
 def call(inp, meta, splits, causal, out, lse, **kwargs):
     return flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
-                                                splits, causal=causal, out=out, lse=lse, **kwargs)
+                                                splits, causal=causal, out=out, lse=lse, **inp.cache_kwargs(),
+                                                **kwargs)
 
 
 def assert_record_clear() -> None:
@@ -275,9 +279,10 @@ def test_negative_length_into_get_mla_metadata(mode):
 # A request split over many SM parts: NaN through the combine kernel
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("what", ["block-in-the-middle", "block-on-the-last-page", "length-2**30", "length--1"])
-def test_bad_value_in_a_request_split_over_many_parts(what):
-    batch = Batch((70000, 10, 10), 1, 128, 1, False, "bf16", 0)
+def test_bad_value_in_a_request_split_over_many_parts(what, dtype):
+    batch = Batch((70000, 10, 10), 1, 128, 1, False, dtype, 0)
     inp = make_inputs(np.random.default_rng(13), list(batch.seqlens), batch.s_q, batch.h_q, batch.h_kv, batch.dtype)
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, batch.rows_per_kv, batch.h_kv)
     assert int(splits[1]) - int(splits[0]) > 2, "request 0 should have several splits"

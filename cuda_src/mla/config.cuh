@@ -23,7 +23,7 @@ constexpr int kTileCols = FLASHMLA_TMA_BOX;        // one TMA box / swizzle atom
 constexpr int kTilesK = kHeadDimK / kTileCols;     // 9 tiles per K (or Q) row block
 constexpr int kTilesV = kHeadDimV / kTileCols;     // 8 tiles per V row block
 constexpr int kSplitKVThreads = FLASHMLA_SPLITKV_THREADS;
-constexpr int kSparseProducerThreads = FLASHMLA_SPARSE_PRODUCER_THREADS;
+constexpr int kProducerThreads = FLASHMLA_PRODUCER_THREADS;
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
 static_assert(kBlockN == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "a page buffer tile is 64 rows x 64 columns");
 

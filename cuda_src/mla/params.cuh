@@ -26,7 +26,8 @@ struct SplitKVParams {
     const int* indices;           // sparse: [batch][s_q][topk] token ids, block * page + offset
     const int* topk_length;       // sparse: [batch] or null: only the first topk_length[b] ids count
     const float* attn_sink;       // sparse: [h_q] or null
-    const uint8_t* cache;         // sparse: the FP8 cache, kFp8TokenBytes per token
+    const uint8_t* cache;         // FP8 caches: the cache's bytes (sparse: kFp8TokenBytes per token, dense: kHeadDimK)
+    const float* kv_scale;        // dense FP8 cache: its dequantization scale (one float)
     int64_t block_table_stride;
     int max_blocks_per_seq;       // block_table's columns: seqlens must be <= page_block_size * this
     int num_blocks;               // k_cache's blocks: block ids must be in [0, num_blocks)
@@ -41,10 +42,12 @@ struct SplitKVParams {
     float scale_log2;             // softmax_scale * log2(e)
     int64_t indices_stride_b;     // sparse: elements between requests / query tokens of indices
     int64_t indices_stride_s;
-    int64_t cache_block_stride;   // sparse: bytes between cache blocks
+    int64_t cache_block_stride;   // FP8 caches: bytes between cache blocks
     int64_t cache_tokens;         // sparse: num_blocks * page_block_size (ids outside are skipped)
     int topk;                     // sparse: indices' last dim
     int page_block_size;          // tokens per cache block (dense: a power of two)
+    int page_shift;               // dense caches: log2(page_block_size)
+    int piece_shift;              // dense: log2(min(page_block_size, 64)), the rows of a cache box
     int sparse_s_q;               // sparse: query tokens folded into the request axis (dense: 1)
 };
 

@@ -48,16 +48,18 @@ __device__ __forceinline__ void reduce_row_sums(RowState& rows, typename T::Shar
 
 // Row r's lse, written by thread r of the CTA (r < num_rows), after reduce_row_sums.
 // 1 / sum of this thread's two rows (NaN for a bad request), times the attention sink's
-// factor where the request is not split (the combine kernel applies it to split requests).
+// factor where the request is not split (the combine kernel applies it to split requests), and
+// the dense FP8 cache's scale (V's, which is K's).
 template <typename T>
 __device__ __forceinline__ void output_factors(const SplitKVParams& p, typename T::SharedStorage& st,
                                                const OutputTarget& out, const float (&sums)[2],
                                                int idx_in_wg, float (&factor)[2]) {
+    const float v_scale = T::kCache == KVCache::kFp8 ? *p.kv_scale : 1.0f;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const float sum = sums[half];
         const bool empty = sum == 0.0f || sum != sum;   // no visible token (or overflow): O = 0
-        factor[half] = out.bad ? kNaN : empty ? 1.0f : 1.0f / sum;
+        factor[half] = out.bad ? kNaN : empty ? 1.0f : v_scale / sum;
         if (T::kSparse && out.split_idx < 0 && !out.bad && !empty) {
             const int row = fragment_row(half, idx_in_wg);
             const int head = out.m_block * kBlockM + row;          // sparse: one query token per request

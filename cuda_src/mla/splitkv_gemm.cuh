@@ -49,26 +49,26 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB cons
     if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
 }
 
-// Tile 8 of Q (RoPE) for qk_tiles: in registers (the dense kernel's warpgroup 1 reuses that part
-// of sQ for its P), or this marker: still in sQ (the sparse kernel).
+// Tile 8 of Q (RoPE) for qk_tiles: in registers (the 16-bit cache's warpgroup 1 reuses that part
+// of sQ for its P), or this marker: still in sQ (the FP8 caches).
 struct RopeTileInSmem {};
 
 // S (+)= Q K^T over the page's 64-column tiles kFirst, kFirst+1, ... (kCount of them, wrapping
-// mod 9), each issued as soon as its barrier completes (one batch per tile). Dense: the
-// consumer announces TMA's bytes; sparse: the producers fill the tiles. `q_tile8`: see
+// mod 9), each issued as soon as its barrier completes (one batch per tile). 16-bit cache: the
+// consumer announces TMA's bytes; FP8 caches: the producers fill the tiles. `q_tile8`: see
 // RopeTileInSmem. `kFresh`: the first tile overwrites S instead of accumulating.
 template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS>
 __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::Element* page,
                                          uint32_t bar_page, uint32_t phase,
                                          FragQ8 const& q_tile8, FragS& s, int idx_in_wg) {
     constexpr int kTileElems = 64 * kTileCols;
-    using Rope = typename T::IoElement;                    // bf16 in the sparse kernel
+    using Rope = typename T::RopeElement;                  // bf16 in the sparse kernel
     typename T::MmaQK mma;
     CUTE_UNROLL
     for (int i = 0; i < kCount; ++i) {
         const int tile = (kFirst + i) % kTilesK;
         const uint32_t bar = bar_page + tile * sizeof(uint64_t);
-        if (!T::kSparse && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
+        if (!T::kProducer && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
         mbarrier_wait(bar, phase);
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
         if (tile == kTilesK - 1) {

@@ -17,10 +17,12 @@
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
 //
-// Sparse form (kSparse, DeepSeek-V3.2's FP8 cache): a request is one query token, a page 64 of
-// its indices; a third warpgroup fills the page buffers (sparse_producer.cuh) and the consumers
-// follow another schedule (sparse_consumers.cuh). With two m-blocks the CTAs of a query token
-// form a cluster that shares the dequantized pages.
+// FP8 forms (T::kProducer): a third warpgroup fills the page buffers with dequantized tokens
+// (fp8_producer.cuh) and the consumers follow another schedule (fp8_consumers.cuh). Sparse
+// decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a page 64
+// of its indices. The dense FP8 cache (KVCache::kFp8): the requests and pages above, its scale
+// applied to the scores and to O. With two m-blocks (or pairs of them) the CTAs of a request form
+// a cluster that shares the dequantized pages.
 //
 // Every value read from the caller's integer arrays is checked before it is used as an index:
 // a request whose length is outside [0, page_block_size * block_table columns] or that uses a block id outside
@@ -41,8 +43,8 @@
 #include "mla/splitkv_gemm.cuh"
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
-#include "mla/sparse_consumers.cuh"
-#include "mla/sparse_producer.cuh"
+#include "mla/fp8_consumers.cuh"
+#include "mla/fp8_producer.cuh"
 
 namespace flashmla {
 
@@ -119,6 +121,9 @@ struct SplitKVCta {
     typename T::SharedStorage& st;
     const int wg, idx;                      // warpgroup, thread within it
     const int m_block, kv_head;
+    // The m-block whose causal mask sets the pages read: FP8 pairs read the same pages, the
+    // later block's (the earlier one masks what its rows do not see).
+    const int span_m_block;
     const uint32_t bar_q, bar_kv0, bar_kv1;
     // current request
     const int* block_table = nullptr;
@@ -129,6 +134,7 @@ struct SplitKVCta {
     __device__ __forceinline__ SplitKVCta(const SplitKVParams& params, typename T::SharedStorage& storage)
         : p(params), st(storage), wg(threadIdx.x / 128), idx(threadIdx.x % 128),
           m_block(blockIdx.x), kv_head(blockIdx.y),
+          span_m_block(T::kProducer ? blockIdx.x | (cluster_size() - 1) : blockIdx.x),
           bar_q(smem_u32(&storage.bar_q)), bar_kv0(smem_u32(&storage.bar_kv[0][0])),
           bar_kv1(smem_u32(&storage.bar_kv[1][0])) {}
 
@@ -144,26 +150,28 @@ struct SplitKVCta {
         return 0;
     }
 
-    // A page buffer is filled in pieces of min(page_block_size, 64) rows, 2^piece_shift():
-    // thread idx < 64 >> piece_shift() of the warpgroup that loads reads the block id of piece
-    // idx ahead (piece_block_id) and issues its boxes (load_page_tiles).
-    __device__ __forceinline__ int piece_shift() const { return min(__ffs(p.page_block_size) - 1, 6); }
-    __device__ __forceinline__ bool loads_piece() const { return idx < (kBlockN >> piece_shift()); }
+    // A page buffer is filled in pieces of min(page_block_size, 64) rows, 2^p.piece_shift: the
+    // thread of the loading warpgroup whose piece() is below 64 >> piece_shift reads that piece's
+    // block id ahead (piece_block_id) and issues its boxes (load_page_tiles). Consecutive pieces
+    // go to different warps, so that small pages spread their TMA issue over all four.
+    __device__ __forceinline__ int piece() const { return idx / 32 + 4 * (idx % 32); }
+    __device__ __forceinline__ bool loads_piece() const { return piece() < (kBlockN >> p.piece_shift); }
 
     // The cache block of this thread's piece of page `page` of request `request` (`seqlen`
     // tokens). A piece wholly past the request gets num_blocks: TMA fills a box outside the
     // cache with zeros and reads nothing (its bytes still count on the tile's barrier).
     __device__ __forceinline__ int piece_block_id(const int* table, int request, int seqlen, int page) const {
-        const int token = page * kBlockN + (idx << piece_shift());
+        const int token = page * kBlockN + (piece() << p.piece_shift);
         if (token >= seqlen) return p.num_blocks;
-        return block_id(table, request, token >> (__ffs(p.page_block_size) - 1));
+        return block_id(table, request, token >> p.page_shift);
     }
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
-    // Sparse: Q's NoPE tiles (0-7), loaded as bf16, become fp16 in place (one pass per request).
-    __device__ __forceinline__ void q_nope_to_fp16() const {
+    // FP8 caches: Q, loaded as bf16, becomes fp16 in place (one pass per request); the sparse
+    // cache's RoPE tile stays bf16.
+    __device__ __forceinline__ void q_to_fp16() const {
         uint4* chunks = reinterpret_cast<uint4*>(st.q);
-        constexpr int kChunks = kTilesV * kTileElems * 2 / 16;
+        constexpr int kChunks = (T::kSparse ? kTilesV : kTilesK) * kTileElems * 2 / 16;
         for (int c = threadIdx.x; c < kChunks; c += T::kConsumerThreads) {
             uint4 v = chunks[c];
             uint32_t* w = reinterpret_cast<uint32_t*>(&v);
@@ -193,7 +201,7 @@ struct SplitKVCta {
     // bytes on its barrier (qk_tiles).
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_page_tiles(int buf, int page, int block) const {
-        const int first_row = idx << piece_shift();                       // of the page buffer
+        const int first_row = piece() << p.piece_shift;                   // of the page buffer
         const int cache_row = (page * kBlockN + first_row) & (p.page_block_size - 1);
         const uint32_t bar = buf ? bar_kv1 : bar_kv0;
         const uint32_t dst = smem_u32(page_buf(buf) + first_row * kTileCols);
@@ -382,15 +390,21 @@ struct SplitKVCta {
     template <int kRole>
     __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
-        uint32_t kv_phase = 0;                           // sparse: bit b, the phase of page buffer b
+        uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
+        // Which bad_request flag is this request's: the 16-bit cache's loads run one request
+        // ahead (req & 1); the dense FP8 producer runs ahead past requests without pages, so
+        // there the flag alternates between requests with pages. (Sparse requests are never bad.)
+        int paged_requests = 0;
         if (threadIdx.x == 0) load_q(begin_req);
-        if constexpr (!T::kSparse) {
+        if constexpr (!T::kProducer) {
             if (wg == 0 && loads_piece()) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
         }
+        // The dense FP8 cache's scale multiplies the scores (here) and O (output_factors).
+        const float scale_log2 = T::kCache == KVCache::kFp8 ? p.scale_log2 * *p.kv_scale : p.scale_log2;
 
         #pragma unroll 1
         for (int req = begin_req; req <= end_req; ++req) {
-            const RequestSpan span = request_span<T>(p, m_block, req, range);
+            const RequestSpan span = request_span<T>(p, span_m_block, req, range);
             RowState rows;
             rows.sum[0] = rows.sum[1] = 0.0f;
             CUTE_UNROLL
@@ -411,21 +425,21 @@ struct SplitKVCta {
 
             Tensor o = partition_fragment_C(typename T::MmaPVRegP{}, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});
             clear(o);
-            if (!T::kSparse && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
+            if (!T::kProducer && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
             mbarrier_wait(bar_q, (req - begin_req) & 1);   // Q's phase from the count: one register less
-            if constexpr (T::kSparse) {
-                q_nope_to_fp16();
+            if constexpr (T::kProducer) {
+                q_to_fp16();
                 if constexpr (kRole == 0) {
                     float row_max[2] = {kRowMaxInit, kRowMaxInit};
-                    sparse_scores_pages<T>(st, p.scale_log2, span.first_page, span.end_page, o, rows, row_max, kv_phase,
-                                           idx);
+                    fp8_scores_pages<T>(st, scale_log2, span.first_page, span.end_page, o, rows, row_max, kv_phase,
+                                        idx);
                     if (idx % 4 == 0) {
                         st.row_max[fragment_row(0, idx)] = row_max[0];
                         st.row_max[fragment_row(1, idx)] = row_max[1];
                     }
                 } else {
-                    sparse_values_pages<T>(st, span.first_page, span.end_page, o, idx);
+                    fp8_values_pages<T>(st, span.first_page, span.end_page, o, idx);
                 }
             } else if (span.first_page < span.end_page) {
                 mainloop(span.first_page, o, rows, phase0, phase1);
@@ -436,7 +450,7 @@ struct SplitKVCta {
             if (req < end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
                 if (threadIdx.x == 0) load_q(req + 1);
-                if constexpr (!T::kSparse) {
+                if constexpr (!T::kProducer) {
                     if (wg == 0 && loads_piece()) {
                         load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, range));
                     }
@@ -451,7 +465,9 @@ struct SplitKVCta {
             out.num_rows = min(p.q_rows - m_block * kBlockM, kBlockM);
             const long long split = (long long)p.num_splits[req] + (req == begin_req ? begin_split : 0);
             out.split_idx = span.whole ? -1 : static_cast<int>(split);
-            out.bad = span.bad || st.bad_request[req & 1];         // set before reduce_row_sums' barrier
+            const int bad_slot = T::kCache == KVCache::kFp8 ? paged_requests & 1 : req & 1;
+            if constexpr (T::kCache == KVCache::kFp8) paged_requests += span.first_page < span.end_page;
+            out.bad = span.bad || st.bad_request[bad_slot];        // set before reduce_row_sums' barrier
             if (!span.whole && (split < 0 || split >= p.total_splits)) {
                 if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, static_cast<int>(split), p.total_splits);
                 out.num_rows = 0;                                   // nowhere valid to write
@@ -463,16 +479,17 @@ struct SplitKVCta {
             store_lse<T>(p, st, out);
             if (req != end_req) {
                 consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
-                if (threadIdx.x == 0) st.bad_request[req & 1] = 0;
+                if (threadIdx.x == 0) st.bad_request[bad_slot] = 0;
             }
         }
     }
 };
 
-template <typename Element, bool kSparse>
-__global__ void __launch_bounds__(SplitKVTraits<Element, kSparse>::kThreads, 1)
+template <typename Element, KVCache kCache>
+__global__ void __launch_bounds__(SplitKVTraits<Element, kCache>::kThreads, 1)
 splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
-    using T = SplitKVTraits<Element, kSparse>;
+    using T = SplitKVTraits<Element, kCache>;
+    constexpr bool kSparse = T::kSparse, kProducer = T::kProducer;
     extern __shared__ __align__(1024) unsigned char smem[];
     auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);
     SplitKVCta<T> cta(p, st);
@@ -482,18 +499,18 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         tma_prefetch_descriptor(&p.tma_q);
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(cta.bar_q, 1);
-        // Dense: one arrival (the consumer announcing TMA's bytes); sparse: one per producer warp.
-        const uint32_t fills = kSparse ? kSparseProducerThreads / 32 : 1;
+        // 16-bit cache: one arrival (the consumer announcing TMA's bytes); FP8: one per producer warp.
+        const uint32_t fills = kProducer ? kProducerThreads / 32 : 1;
         for (int t = 0; t < kTilesK; ++t) {
             mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
-        // Sparse: both consumer warpgroups of every CTA of the cluster release a page buffer.
+        // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
         for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_free[b]), 2 * cluster_size());
         mbarrier_init_fence();
     }
-    // Sparse pairs write into each other's buffers and barriers: both must be initialized.
-    if constexpr (kSparse) {
+    // FP8 pairs write into each other's buffers and barriers: both must be initialized.
+    if constexpr (kProducer) {
         cluster_sync();
     } else {
         __syncthreads();
@@ -520,16 +537,24 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
     }
     const int begin_split = kind.x;
 
-    if constexpr (kSparse) {
+    if constexpr (kProducer) {
         if (threadIdx.x >= T::kConsumerThreads) {
             warpgroup_release_registers<T::kProducerRegs>();
-            SparseProducer<T> producer(p, st);
+            Fp8Producer<T> producer(p, st);
+            int paged_requests = 0;     // the bad-request flag's slot (run_requests)
             #pragma unroll 1
             for (int req = begin_req; req <= end_req; ++req) {
-                const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
-                const int* ids = p.indices + (req / p.sparse_s_q) * p.indices_stride_b +
-                                 (req % p.sparse_s_q) * p.indices_stride_s;
-                producer.fill_pages(ids, span.first_page, span.end_page, span.seqlen);
+                const RequestSpan span = request_span<T>(p, cta.span_m_block, req, range);
+                if constexpr (kSparse) {
+                    const int* ids = p.indices + (req / p.sparse_s_q) * p.indices_stride_b +
+                                     (req % p.sparse_s_q) * p.indices_stride_s;
+                    producer.fill_pages(IndexedTokens{ids, span.seqlen}, span.first_page, span.end_page);
+                } else if (span.first_page < span.end_page) {
+                    const PagedTokens tokens{p.block_table + req * p.block_table_stride, req, span.seqlen,
+                                             &st.bad_request[paged_requests & 1]};
+                    producer.fill_pages(tokens, span.first_page, span.end_page);
+                    ++paged_requests;
+                }
             }
             cluster_sync();            // neither CTA of a pair exits while the other may write into it
             return;

@@ -10,33 +10,46 @@ namespace flashmla {
 
 using namespace cute;
 
-// kSparse: DeepSeek-V3.2's sparse decoding over the FP8 cache. A third warpgroup gathers the
-// tokens that `indices` names and dequantizes them into the page buffers; the NoPE part (Q's
-// first 512 columns, K, V, P) is then fp16 — e4m3 values and their power-of-two scales are
-// exact in it, and e4m3 -> fp16 is one instruction per pair — while the RoPE tile stays bf16.
-// Its consumers are not the seesaw (sparse_consumers.cuh).
-template <typename Element_, bool kSparse_ = false>
+// What fills the page buffers, and so which form of the kernel runs.
+enum class KVCache : int {
+    k16Bit = 0,       // the cache in q's dtype (bf16 / fp16), loaded by TMA; the seesaw consumers
+    kFp8Sparse = 1,   // DeepSeek-V3.2's 656-byte FP8 tokens, named by `indices` (sparse decoding)
+    kFp8 = 2,         // e4m3 tokens of 576 values with one scale per tensor, by block table
+};
+
+// The FP8 caches (kProducer): a third warpgroup gathers the tokens and dequantizes them into the
+// page buffers (fp8_producer.cuh), whose consumers are not the seesaw (fp8_consumers.cuh). Q,
+// K, V and P are fp16 there (Q converted in place; e4m3 values, and the sparse cache's
+// power-of-two scales, are exact in fp16, and e4m3 -> fp16 is one instruction per pair), and O is
+// bf16. The sparse cache keeps its RoPE part in bf16, so that tile of Q stays bf16; the dense
+// FP8 cache's RoPE part is e4m3 like the rest. Its scale multiplies the scores and O instead of
+// every value.
+template <typename Element_, KVCache kCache_ = KVCache::k16Bit>
 struct SplitKVTraits {
-    using Element = Element_;                  // Q, K, V, P (the NoPE part, for kSparse)
-    static constexpr bool kSparse = kSparse_;
-    // The caller's precision: O, and the RoPE tile (8) of Q and K (bf16 in the sparse cache).
-    using IoElement = cuda::std::conditional_t<kSparse, cutlass::bfloat16_t, Element>;
+    using Element = Element_;                  // Q, K, V, P (the NoPE part, for kFp8Sparse)
+    static constexpr KVCache kCache = kCache_;
+    static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
+    static constexpr bool kProducer = kCache != KVCache::k16Bit;
+    // The caller's precision: q and O.
+    using IoElement = cuda::std::conditional_t<kProducer, cutlass::bfloat16_t, Element>;
+    // The RoPE tile (8) of Q and K.
+    using RopeElement = cuda::std::conditional_t<kSparse, cutlass::bfloat16_t, Element>;
     static_assert(cuda::std::is_same_v<Element, cutlass::bfloat16_t> ||
                   cuda::std::is_same_v<Element, cutlass::half_t>, "bf16 or fp16");
-    static_assert(!kSparse || cuda::std::is_same_v<Element, cutlass::half_t>, "sparse: fp16 NoPE");
+    static_assert(!kProducer || cuda::std::is_same_v<Element, cutlass::half_t>, "FP8 caches: fp16 inside");
 
-    // Two consumer warpgroups, each owning half of O's columns (+ the sparse producer).
+    // Two consumer warpgroups, each owning half of O's columns (+ the producer).
     static constexpr int kConsumerThreads = kSplitKVThreads;
-    static constexpr int kThreads = kConsumerThreads + (kSparse ? kSparseProducerThreads : 0);
+    static constexpr int kThreads = kConsumerThreads + (kProducer ? kProducerThreads : 0);
     static_assert(kConsumerThreads == 256, "two consumer warpgroups");
-    static_assert(!kSparse || kSparseProducerThreads == 128, "one producer warpgroup");
-    // Sparse: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
+    static_assert(!kProducer || kProducerThreads == 128, "one producer warpgroup");
+    // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
     // gives (384 x 168): the scores warpgroup holds S, P and O_L, the values warpgroup only O_R,
     // and the producer a half page's loads per round in flight.
-    static constexpr int kScoresRegs = 192;
+    static constexpr int kScoresRegs = kSparse ? 192 : 200;
     static constexpr int kValuesRegs = 160;
-    static constexpr int kProducerRegs = 152;
-    static_assert(!kSparse || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
+    static constexpr int kProducerRegs = kSparse ? 152 : 144;
+    static_assert(!kProducer || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
     using Page = Int<kBlockN>;
@@ -49,10 +62,10 @@ struct SplitKVTraits {
         GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     using MmaQKRegQ = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<IoElement, IoElement, float, Shape<BlockM, Page, DimK>,
+        GMMA::rs_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
-    using MmaQKRope = decltype(make_tiled_mma(       // sparse: the RoPE tile of Q from shared memory
-        GMMA::ss_op_selector<IoElement, IoElement, float, Shape<BlockM, Page, DimK>,
+    using MmaQKRope = decltype(make_tiled_mma(       // FP8 caches: the RoPE tile of Q from shared memory
+        GMMA::ss_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
     // memory (the other warpgroup's page); V is the cache tile read MN-major.
@@ -88,10 +101,10 @@ struct SplitKVTraits {
         float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step (page)
         float scale1[kBlockM];           // ... by warpgroup 1
         float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
-        int bad_request[2];              // per request parity: a bad block id was seen (NaN output)
+        int bad_request[2];              // a bad block id was seen (NaN output); slots: run_requests
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full)
-        uint64_t bar_free[2];            // sparse: a page buffer may be refilled
+        uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled
         uint64_t bar_q;
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
@@ -108,15 +121,15 @@ enum class WgBarrier : int {
     kP0Ready = 3,         // warpgroup 0 stored its rescaled P into p0
     kP1Issued = 4,        // warpgroup 1 stored P1 and issued its WGMMAs reading p0
     kRowMaxInit = 5,      // row_max initialized (warpgroup 0 only)
-    kPReady = 1,          // sparse: warpgroup 0 stored P and its rescale factors (p0, scale0)
-    kPFree = 2,           // sparse: warpgroup 1's WGMMA has read p0
-    kConsumers = 8,       // both consumer warpgroups (the sparse kernel's __syncthreads)
+    kPReady = 1,          // FP8 caches: warpgroup 0 stored P and its rescale factors (p0, scale0)
+    kPFree = 2,           // FP8 caches: warpgroup 1's WGMMA has read p0
+    kConsumers = 8,       // both consumer warpgroups (with a producer: the __syncthreads)
 };
 
-// __syncthreads of the consumer warpgroups (the sparse producer warpgroup does not take part).
+// __syncthreads of the consumer warpgroups (the producer warpgroup does not take part).
 template <typename T>
 __device__ __forceinline__ void consumer_sync() {
-    if constexpr (T::kSparse) {
+    if constexpr (T::kProducer) {
         named_barrier_sync(int(WgBarrier::kConsumers), T::kConsumerThreads);
     } else {
         __syncthreads();

@@ -6,7 +6,9 @@ P``; ``block_table = arange``, as in the seed); standard-normal data; every cach
 request's length is NaN (as in the seed), so a kernel that reads it shows it in ``--check``.
 Generated per request's ``max_seqlen_pad`` tokens, in chunks of requests so that the float32
 staging never exceeds ~1 GiB whatever the shape: the values depend on the seed and the padded
-length, not on the page size.
+length, not on the page size. The FP8 cache (dtype ``fp8``, bf16 q): the same values quantized
+by ``quant.quantize_fp8_per_tensor`` at the fixed scale ``FP8_K_SCALE`` (uint8 e4m3 codes, the NaN
+code past each request's length), and ``k_scale`` that scale as a float32 0-d array.
 
 Sparse (DeepSeek-V3.2): q bf16 ``[b, s_q, h_q, 576]``; an FP8 cache ``[num_blocks, 64, 1, 656]``
 quantized (``flashmla_cupy.quant``) from standard-normal bf16 rows; ``indices [b, s_q, topk]``,
@@ -20,23 +22,35 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from .. import baselines, quant
 from ..constants import FP8_TOKEN_BYTES
-from .shapes import PAGE_BLOCK, AttentionShape, MLAShape, SparseShape
+from .shapes import FP8_CACHE, PAGE_BLOCK, AttentionShape, MLAShape, SparseShape, q_dtype
 
 STAGING_BYTES = 1 << 30
 
+# The FP8 cache's k_scale: what amax / 448 calibration gives for standard-normal values (amax is
+# about 6 over the 10^8-10^9 values of a grid shape's cache; not a power of two, as calibrated
+# scales are not). Fixed rather than computed from the data so that every chunk of the cache is
+# quantized with the one scale the call reads.
+FP8_K_SCALE = 6.0 / quant.E4M3_MAX
+E4M3_NAN = np.float32(np.nan).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)     # 0x7F
+
 
 def numpy_dtype(tag: str) -> np.dtype:
+    """The array dtype of a dtype name; the FP8 cache's is uint8 (its e4m3 codes: CuPy has no
+    float8 dtype)."""
     if tag == "bf16":
         return baselines.bfloat16_dtype()
     if tag == "fp16":
         return np.dtype(np.float16)
     if tag == "fp32":
         return np.dtype(np.float32)
-    raise ValueError(f"unknown dtype {tag!r} (bf16, fp16 or fp32)")
+    if tag == FP8_CACHE:
+        return np.dtype(np.uint8)
+    raise ValueError(f"unknown dtype {tag!r} (bf16, fp16, fp32 or {FP8_CACHE})")
 
 
 @dataclass
@@ -46,6 +60,7 @@ class MLABenchInputs:
     k_cache: object
     block_table: object
     cache_seqlens: object
+    k_scale: object = None     # the FP8 cache's scale, float32 0-d; None for a 16-bit cache
     # The four arrays as torch tensors (DLPack views), made once by the first torch target.
     torch_views: tuple | None = field(default=None, repr=False)
 
@@ -62,21 +77,32 @@ def _store(dst, src_f32, dtype, xp) -> None:
         dst[...] = src_f32.astype(dtype)
 
 
+def _store_cache(dst, src_f32, unread, xp) -> None:
+    """Write float32 cache values into the cache, NaN where ``unread`` (the slots past a request's
+    length); the FP8 cache gets their e4m3 codes at ``FP8_K_SCALE`` (quantized while all finite)."""
+    if dst.dtype == np.uint8:
+        codes, _ = quant.quantize_fp8_per_tensor(src_f32, scale=FP8_K_SCALE)
+        dst[...] = xp.where(unread, E4M3_NAN, codes)
+    else:
+        xp.copyto(src_f32, np.float32(np.nan), where=unread)
+        _store(dst, src_f32, dst.dtype, xp)
+
+
 def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
     """The seed's layout on the GPU (``xp=numpy`` builds the same on the host, for tests)."""
     if xp is None:
         import cupy as xp
 
-    dtype = numpy_dtype(shape.dtype)
+    q_elements = numpy_dtype(q_dtype(shape.dtype))
     gen = xp.random.default_rng(seed)
     b, s_q, h_q, h_kv, d = shape.batch, shape.s_q, shape.h_q, shape.h_kv, shape.d
     pad, page = shape.max_seqlen_pad, shape.page_size
     pages = pad // page
 
-    q = xp.empty((b, s_q, h_q, d), dtype=dtype)
-    _store(q, gen.standard_normal(q.shape, dtype=np.float32), dtype, xp)
+    q = xp.empty((b, s_q, h_q, d), dtype=q_elements)
+    _store(q, gen.standard_normal(q.shape, dtype=np.float32), q_elements, xp)
 
-    k_cache = xp.empty((b * pages, page, h_kv, d), dtype=dtype)
+    k_cache = xp.empty((b * pages, page, h_kv, d), dtype=numpy_dtype(shape.dtype))
     per_request = k_cache.reshape(b, pad, h_kv, d)
     seqlens = np.asarray(shape.seqlens, dtype=np.int32)
     step = max(1, STAGING_BYTES // (pad * h_kv * d * 4))
@@ -85,11 +111,11 @@ def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
         hi = min(b, lo + step)
         block = gen.standard_normal((hi - lo, pad, h_kv, d), dtype=np.float32)
         lengths = xp.asarray(seqlens[lo:hi]).reshape(hi - lo, 1, 1, 1)
-        xp.copyto(block, np.float32(np.nan), where=pos[None, :, None, None] >= lengths)
-        _store(per_request[lo:hi], block, dtype, xp)
+        _store_cache(per_request[lo:hi], block, pos[None, :, None, None] >= lengths, xp)
         del block
     block_table = xp.arange(b * pages, dtype=np.int32).reshape(b, pages)
-    return MLABenchInputs(shape, q, k_cache, block_table, xp.asarray(seqlens))
+    k_scale = xp.asarray(FP8_K_SCALE, dtype=np.float32) if shape.dtype == FP8_CACHE else None
+    return MLABenchInputs(shape, q, k_cache, block_table, xp.asarray(seqlens), k_scale)
 
 
 @dataclass

@@ -40,7 +40,8 @@ OUT_AND_LSE_KINDS = ("mla", "sparse")     # their targets return (out, lse): bot
 
 FORMULAS = {
     "mla": "FLOPs = 2·s_q·Σseqlen·h_q·(576+512); "
-           "bytes = 2·(Σseqlen·h_kv·576 + b·s_q·h_q·576 + b·s_q·h_q·512); "
+           "bytes = e·Σseqlen·h_kv·576 + 2·(b·s_q·h_q·576 + b·s_q·h_q·512), e = 2 (bf16/fp16 cache) or 1 "
+           "(FP8 cache); "
            "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling",
     "sparse": "upstream FlashMLA's tests/lib.py: FLOPs = 2·h_q·(b·s_q·topk)·(576+512); "
               "bytes = 2·b·s_q·h_q·(576+512) (q, out) + 656·distinct cache tokens the indices name; "

@@ -9,13 +9,17 @@ truncated to an integer. The draws come from one ``random.Random(seed)`` consume
 measured anchors. The grid is crossed with the page sizes innermost, without drawing again: a
 shape's rows at each page size have the same cache lengths.
 
-FLOPs and bytes use the seed benchmark's formulas:
+The dtype names q's and the cache's elements: bf16 or fp16 for both, or ``fp8``, the dense FP8
+cache (float8_e4m3 codes with one float32 scale, vLLM's ``k_scale``) read by bf16 q.
+
+FLOPs and bytes use the seed benchmark's formulas, with each array's own element size:
 
     FLOPs = 2 · s_q · Σseqlen · h_q · (d + dv)
-    bytes = elem · (Σseqlen · h_kv · d + b · s_q · h_q · d + b · s_q · h_q · dv)
+    bytes = e_kv · Σseqlen · h_kv · d + e_q · (b · s_q · h_q · d + b · s_q · h_q · dv)
 
-(the KV cache read once, q read once, the output written once; elem = 2 for bf16/fp16). Both
-count tokens, so the page size does not enter them.
+(the KV cache read once, q read once, the output written once, in q's dtype; e_q = 2, e_kv = 2
+for bf16/fp16 and 1 for fp8: 576 bytes a token). Both count tokens, so the page size does not
+enter them.
 
 Sparse decoding (DeepSeek-V3.2) is a list of production rows, each ``(b, h_q, s_q, s_k, topk)``:
 request i owns ``s_k`` tokens of an FP8 cache (656 bytes a token) and each of its query tokens
@@ -41,7 +45,8 @@ HEAD_DIM_V = 512
 PAGE_BLOCK = 64            # tokens per cache page in the seed's layout: MLA's default, the sparse cache's
 SEQLEN_PAD = 256           # the seed pads each request's cache to a multiple of 256 tokens
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP8_CACHE = "fp8"          # the dense FP8 cache: e4m3 codes (one byte), one scale, bf16 q and out
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, FP8_CACHE: 1}
 
 # The seed's test grid.
 SEED_BATCHES = (128,)
@@ -85,6 +90,12 @@ def is_page_size(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def q_dtype(dtype: str) -> str:
+    """q's (and out's) dtype for an MLA dtype: the cache's, except over the FP8 cache, which the
+    kernel reads with bf16 q."""
+    return "bf16" if dtype == FP8_CACHE else dtype
+
+
 def page_text(page_size: int) -> str:
     """`` page=P`` for a label, empty at the seed's 64 (its labels stay as they were)."""
     return "" if page_size == PAGE_BLOCK else f" page={page_size}"
@@ -102,7 +113,7 @@ class MLAShape:
     seqlens: tuple[int, ...] = field(repr=False)
     h_kv: int = 1
     causal: bool = True
-    dtype: str = "bf16"
+    dtype: str = "bf16"            # the cache's: bf16, fp16 or FP8_CACHE (q's: ``q_dtype``)
     d: int = HEAD_DIM_K
     dv: int = HEAD_DIM_V
     page_size: int = PAGE_BLOCK
@@ -199,10 +210,11 @@ def mla_flops(shape: MLAShape) -> int:
 
 
 def mla_bytes(shape: MLAShape) -> int:
-    """elem · (Σseqlen · h_kv · d + b · s_q · h_q · d + b · s_q · h_q · dv) (the seed's count)."""
+    """e_kv · Σseqlen · h_kv · d + e_q · (b · s_q · h_q · d + b · s_q · h_q · dv) (the seed's count,
+    each array at its own element size: the cache's, q's and out's)."""
     b, s_q, h_q = shape.batch, shape.s_q, shape.h_q
-    return element_bytes(shape.dtype) * (shape.total_seqlen * shape.h_kv * shape.d
-                                         + b * s_q * h_q * shape.d + b * s_q * h_q * shape.dv)
+    return (element_bytes(shape.dtype) * shape.total_seqlen * shape.h_kv * shape.d
+            + element_bytes(q_dtype(shape.dtype)) * (b * s_q * h_q * shape.d + b * s_q * h_q * shape.dv))
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ validating call whose result feeds ``--check``) and returns ``Prepared.run``, th
 callable that is timed. A new implementation plugs in by adding a ``Target`` to ``MLA_TARGETS``,
 ``SPARSE_TARGETS`` or ``ATTENTION_TARGETS``; ``requires`` says (one line) why it cannot run here, or
 ``None``; ``supports(shape)`` says why it cannot run one shape (FlashMLA: pages other than 64
-tokens), or ``None``: that row is skipped as not applicable, not failed.
+tokens, the FP8 cache), or ``None``: that row is skipped as not applicable, not failed.
 
 MLA targets take ``inputs.MLABenchInputs`` (sparse ones ``inputs.SparseBenchInputs``) and return
 ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``; attention targets take ``inputs.AttentionInputs``
@@ -24,7 +24,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .shapes import PAGE_BLOCK
+from .shapes import FP8_CACHE, PAGE_BLOCK
 
 
 @dataclass
@@ -65,15 +65,16 @@ def _requires_flashmla() -> str | None:
 
 def setup_flashmla(inp) -> Prepared:
     """The call users make: default arguments (outputs allocated by the call, value checks in
-    their current mode), on CuPy arrays."""
+    their current mode), on CuPy arrays; over the FP8 cache with ``is_fp8_kvcache`` and its scale."""
     from .. import mla
 
     s = inp.shape
     meta, splits = mla.get_mla_metadata(inp.cache_seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
     args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, s.dv, meta, splits)
+    fp8 = {} if inp.k_scale is None else {"is_fp8_kvcache": True, "k_scale": inp.k_scale}
 
     def run():
-        return mla.flash_mla_with_kvcache(*args, causal=s.causal)
+        return mla.flash_mla_with_kvcache(*args, causal=s.causal, **fp8)
 
     return Prepared(run, run())
 
@@ -186,7 +187,10 @@ def _requires_real_flash_mla() -> str | None:
 
 
 def _real_flash_mla_supports(shape) -> str | None:
-    """FlashMLA's dense call checks ``page_block_size == 64``."""
+    """FlashMLA's dense call reads 16-bit caches (its FP8 cache is the sparse call's) and checks
+    ``page_block_size == 64``."""
+    if shape.dtype == FP8_CACHE:
+        return "FlashMLA has no dense FP8 decoding on Hopper (its FP8 cache is the sparse one)"
     if shape.page_size != PAGE_BLOCK:
         return f"FlashMLA's dense call takes pages of {PAGE_BLOCK} tokens only"
     return None
@@ -219,6 +223,13 @@ def _requires_cublas() -> str | None:
     return cublas_status()
 
 
+def _cupy_baseline_supports(shape) -> str | None:
+    """The plain CuPy implementation upcasts 16-bit caches; it has no FP8 dequantization."""
+    if shape.dtype == FP8_CACHE:
+        return "the plain CuPy baseline reads bf16/fp16 caches only"
+    return None
+
+
 def setup_cupy_baseline(inp) -> Prepared:
     from .. import baselines
 
@@ -247,7 +258,8 @@ MLA_TARGETS: dict[str, Target] = {
                                      "metadata computed once beforehand",
                         setup_real_flash_mla, _requires_real_flash_mla, _real_flash_mla_supports),
     "cupy": Target("cupy", "plain CuPy paged MLA (gather pages, float32 cuBLAS matmuls, softmax): "
-                           "the seed benchmark's torch target", setup_cupy_baseline, _requires_cublas),
+                           "the seed benchmark's torch target", setup_cupy_baseline, _requires_cublas,
+                   _cupy_baseline_supports),
 }
 MAIN_MLA_TARGETS = {"cupy": "flashmla", "torch": "flashmla_torch"}     # the timed call, by --inputs
 

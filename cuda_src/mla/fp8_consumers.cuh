@@ -1,9 +1,10 @@
-// The sparse kernel's two consumer warpgroups (after FlashMLA's sparse decoding kernel): one for
-// the scores and the left half of O, one for the right half of O, instead of the seesaw.
+// The FP8 caches' two consumer warpgroups (after FlashMLA's sparse decoding kernel): one for the
+// scores and the left half of O, one for the right half of O, instead of the seesaw.
 //
 // Per page (page buffer b = page parity within the request):
-//   scores warpgroup (0): S = Q K^T tile by tile as the producers fill them, the skipped
-//     tokens masked, online softmax with the running max in registers; P -> p0 and the rows'
+//   scores warpgroup (0): S = Q K^T tile by tile as the producers fill them, the skipped tokens
+//     (sparse) or those past the row's border (dense: length, causal mask) masked, online
+//     softmax with the running max in registers; P -> p0 and the rows'
 //     rescale factors -> scale0; O_L = O_L * factor + P V_L.
 //   values warpgroup (1): O_R = O_R * factor + P V_R, with P from p0.
 // Each releases the page buffer (bar_free, to every producer of the cluster) once its WGMMAs
@@ -33,7 +34,7 @@ __device__ __forceinline__ void release_page(typename T::SharedStorage& st, int 
 // Scores warpgroup over pages [first_page, end_page) of a request: O_L, the row sums and the
 // running max (log2 domain) accumulate. `kv_phase` bit b: parity of page buffer b's next fill.
 template <typename T, typename FragO>
-__device__ __forceinline__ void sparse_scores_pages(typename T::SharedStorage& st, float scale_log2,
+__device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, float scale_log2,
                                                     int first_page, int end_page, FragO& o, RowState& rows,
                                                     float (&row_max)[2], uint32_t& kv_phase, int idx) {
     Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -47,10 +48,12 @@ __device__ __forceinline__ void sparse_scores_pages(typename T::SharedStorage& s
         warpgroup_wait<0>();
         if (page > first_page) named_barrier_sync(int(WgBarrier::kPFree), 256);   // p0, scale0 read
         const uint64_t valid = *reinterpret_cast<const uint64_t*>(st.token_valid[buf]);
+        const int first_token = page * kBlockN;
         float factor[2];
         CUTE_UNROLL
         for (int half = 0; half < 2; ++half) {
-            const float page_max = masked_row_max<false, true>(s, half, 0, 0, valid, scale_log2, idx);
+            const float page_max = masked_row_max<!T::kSparse, T::kSparse>(s, half, first_token, rows.right_border[half],
+                                                                           valid, scale_log2, idx);
             const float m_new = lazy_row_max(row_max[half], page_max);
             factor[half] = exp2_approx(row_max[half] - m_new);
             row_max[half] = m_new;
@@ -69,7 +72,7 @@ __device__ __forceinline__ void sparse_scores_pages(typename T::SharedStorage& s
 
 // Values warpgroup over the same pages: O_R follows the scores warpgroup's factors.
 template <typename T, typename FragO>
-__device__ __forceinline__ void sparse_values_pages(typename T::SharedStorage& st, int first_page, int end_page,
+__device__ __forceinline__ void fp8_values_pages(typename T::SharedStorage& st, int first_page, int end_page,
                                                     FragO& o, int idx) {
     #pragma unroll 1
     for (int page = first_page; page < end_page; ++page) {

@@ -1,0 +1,114 @@
+"""GPU tests of dense decoding over the FP8 cache (is_fp8_kvcache=True, k_scale), skipped without
+a Hopper GPU.
+
+The cases are ``testing.make_inputs(..., "fp8")``: bf16 q, e4m3 codes with a per-tensor scale
+(not a power of two), NaN codes in every slot no request may read, permuted block tables. The
+reference is the float64 one on the dequantized cache (codes times k_scale, exact), with
+``check_against_reference``'s criteria: cos_diff < 1e-5 on out and lse, and per element
+|err| <= 1e-2 + 1e-2 |ref| for out (bf16 output rounding dominates: Q, K and V are exact in the
+kernel's fp16, P is fp16), lse within 1e-3 + 1e-5 |ref|. Also with the FP8 cache: bad lengths
+and block ids (test_values.py), empty requests, softmax_scale and determinism (test_mla.py).
+"""
+from __future__ import annotations
+
+import itertools
+
+import cupy
+import numpy as np
+import pytest
+
+import flashmla_cupy
+from flashmla_cupy.testing import check_against_reference, make_inputs, poisoned, run_kernel, seed_seqlens
+
+pytestmark = pytest.mark.hopper
+
+# --- FlashMLA's test grid (b = 128, causal), at page 64 and at other page sizes ------------------
+
+SEED_GRID = list(itertools.product([4096, 8192, 16384], [16, 32, 64, 128], [1, 2], [False, True]))
+
+
+@pytest.mark.parametrize("mean_sk,h_q,s_q,varlen", SEED_GRID,
+                         ids=[f"sk{a}-hq{b}-sq{c}-{'var' if d else 'fix'}" for a, b, c, d in SEED_GRID])
+def test_seed_grid(mean_sk, h_q, s_q, varlen):
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 128, mean_sk, s_q, varlen), s_q, h_q, 1, "fp8")
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, "fp8")
+
+
+PAGE_GRID = list(itertools.product([1, 2, 16, 32, 128, 256], [16, 128], [1, 2]))
+
+
+@pytest.mark.parametrize("page,h_q,s_q", PAGE_GRID, ids=[f"page{a}-hq{b}-sq{c}" for a, b, c in PAGE_GRID])
+def test_seed_grid_at_page_size(page, h_q, s_q):
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 64, 4096, s_q, True), s_q, h_q, 1, "fp8", page_size=page)
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, "fp8")
+
+
+# --- small and odd shapes: one m-block, pairs of m-blocks (clusters), an odd count ---------------
+
+SMALL = list(itertools.product([1, 7], [1, 63, 64, 65, 1000], [(1, 1), (16, 2), (64, 3), (128, 1), (32, 8)]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,seqlen,heads", SMALL, ids=[f"b{a}-sk{b}-hq{c[0]}-sq{c[1]}" for a, b, c in SMALL])
+def test_small_shapes(b, seqlen, heads, causal):
+    rng = np.random.default_rng()
+    h_q, s_q = heads
+    seqlens = np.maximum(seqlen - rng.integers(0, 3, b) * (seqlen // 3), 1)
+    if b > 2:
+        seqlens[rng.integers(b)] = 0
+    page = int(rng.choice([1, 16, 64, 256]))
+    inp = make_inputs(rng, seqlens, s_q, h_q, 1, "fp8", page_size=page)
+    out, lse = run_kernel(inp, causal)
+    check_against_reference(inp, out, lse, causal, "fp8")
+
+
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 2)])
+def test_long_and_skewed_batch(h_q, s_q):
+    """One very long request among short ones: it is split over many SM parts (combine path)."""
+    rng = np.random.default_rng()
+    seqlens = rng.integers(1, 200, 16)
+    seqlens[3] = 70000
+    inp = make_inputs(rng, seqlens, s_q, h_q, 1, "fp8")
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, "fp8")
+
+
+# --- k_scale is read by the kernel: a new value in place, eager and in a CUDA graph ---------------
+
+def test_k_scale_is_read_on_the_device_by_eager_calls_and_graph_replays():
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, rng.integers(1, 5000, 9), 2, 64, 1, "fp8")
+    meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 2 * 64, 1)
+    out, lse = poisoned((9, 2, 64, 512), inp.q.dtype), poisoned((9, 64, 2), np.float32)
+    ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+
+    def call():
+        return flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                                    meta, splits, causal=True, is_fp8_kvcache=True,
+                                                    k_scale=inp.k_scale, out=out, lse=lse, workspace=ws,
+                                                    stream=stream)
+
+    call()
+    stream.synchronize()
+    check_against_reference(inp, out, lse, True, "fp8")
+    with stream:
+        inp.k_scale.fill(np.float32(0.011))                    # eager: the next call reads it
+    call()
+    stream.synchronize()
+    check_against_reference(inp, out, lse, True, "fp8")
+
+    with stream:                                               # the plan of this stream is warm
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        inp.k_scale.fill(np.float32(0.05))                     # a replay reads the new value
+        out.fill(np.nan)
+        graph.launch(stream)
+    stream.synchronize()
+    check_against_reference(inp, out, lse, True, "fp8")
