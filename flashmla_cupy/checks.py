@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from . import interop, scheduler
+from . import interop, quant, scheduler
 from .constants import HEAD_DIM_K, HEAD_DIM_V, SCHED_META_INTS
 
 _DLPACK_CUDA_DEVICES = (2, 13)    # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is pinned host memory)
@@ -168,11 +168,8 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
-FP8_CACHE_DTYPES = ("uint8", "int8", "float8_e4m3fn")     # an FP8 cache's bytes, or e4m3 values
-
-
 def require_fp8_cache(k_cache, what: str) -> None:
-    if k_cache.dtype.name not in FP8_CACHE_DTYPES:
+    if k_cache.dtype.name not in quant.BYTE_DTYPES:
         raise TypeError(f"k_cache must hold {what} (uint8, int8 or float8_e4m3fn); got {k_cache.dtype.name}")
 
 

@@ -38,6 +38,7 @@ from .constants import FP8_NUM_SCALES, FP8_QUANT_TILE, FP8_TOKEN_BYTES, HEAD_DIM
 SCALES_OFFSET = HEAD_DIM_V                          # byte offset of the 4 scales in a token
 ROPE_OFFSET = SCALES_OFFSET + 4 * FP8_NUM_SCALES    # byte offset of the 64 bf16 RoPE values
 E4M3_MAX = 448.0                                    # float8_e4m3fn's largest finite value
+E4M3_NAN_CODE = 0x7F                                # a float8_e4m3fn NaN (0xFF is the other)
 MIN_SCALE_BOUND = 1e-4                              # upstream's floor under amax / 448
 BYTE_DTYPES = ("uint8", "int8", "float8_e4m3fn")    # dtypes read as the cache's bytes
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 
 from .. import baselines, quant
@@ -36,7 +35,6 @@ STAGING_BYTES = 1 << 30
 # scales are not). Fixed rather than computed from the data so that every chunk of the cache is
 # quantized with the one scale the call reads.
 FP8_K_SCALE = 6.0 / quant.E4M3_MAX
-E4M3_NAN = np.float32(np.nan).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)     # 0x7F
 
 
 def numpy_dtype(tag: str) -> np.dtype:
@@ -82,7 +80,7 @@ def _store_cache(dst, src_f32, unread, xp) -> None:
     length); the FP8 cache gets their e4m3 codes at ``FP8_K_SCALE`` (quantized while all finite)."""
     if dst.dtype == np.uint8:
         codes, _ = quant.quantize_fp8_per_tensor(src_f32, scale=FP8_K_SCALE)
-        dst[...] = xp.where(unread, E4M3_NAN, codes)
+        dst[...] = xp.where(unread, np.uint8(quant.E4M3_NAN_CODE), codes)
     else:
         xp.copyto(src_f32, np.float32(np.nan), where=unread)
         _store(dst, src_f32, dst.dtype, xp)
