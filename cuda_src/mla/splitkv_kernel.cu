@@ -445,8 +445,16 @@ struct SplitKVCta {
                 mainloop(span.first_page, o, rows, phase0, phase1);
             }
 
+            // FP8 caches: the epilogue's coordinates read afresh (thread_index_here); the 16-bit
+            // kernel has the registers, and its timed schedule stays as it is.
+            int epilogue_wg = wg, epilogue_idx = idx;
+            if constexpr (T::kProducer) {
+                const int tid = thread_index_here();
+                epilogue_wg = tid / 128;
+                epilogue_idx = tid % 128;
+            }
             float sums[2];
-            reduce_row_sums<T>(rows, st, wg, idx, sums);   // all warps are past the mainloop
+            reduce_row_sums<T>(rows, st, epilogue_wg, epilogue_idx, sums);   // all warps are past the mainloop
             if (req < end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
                 if (threadIdx.x == 0) load_q(req + 1);
@@ -474,8 +482,8 @@ struct SplitKVCta {
             }
             // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
             float inv_sum[2];
-            output_factors<T>(p, st, out, sums, idx, inv_sum);
-            store_o<T>(p, o, inv_sum, out, wg, idx);
+            output_factors<T>(p, st, out, sums, epilogue_idx, inv_sum);
+            store_o<T>(p, o, inv_sum, out, epilogue_wg, epilogue_idx);
             store_lse<T>(p, st, out);
             if (req != end_req) {
                 consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
