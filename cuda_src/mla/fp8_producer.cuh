@@ -55,6 +55,13 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+__device__ __forceinline__ uint4 load_shared(uint32_t src) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
+                 : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void store_shared(uint32_t dst, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -98,31 +105,6 @@ struct IndexedTokens {
         return valid ? (int64_t)(id / p.page_block_size) * p.cache_block_stride +
                        (int64_t)(id % p.page_block_size) * kFp8TokenBytes
                      : kSkippedToken;
-    }
-};
-
-// The dense FP8 cache: the `seqlen` tokens of request `request`, whose block ids are in `table`
-// (its block-table row); an entry is the block id of the row's token. A bad id sets `*bad`.
-struct PagedTokens {
-    const int* table;
-    int request;
-    int seqlen;
-    int* bad;
-
-    __device__ __forceinline__ int entry(const SplitKVParams& p, int page, int row) const {
-        const int t = page * kBlockN + row;
-        if (t >= seqlen) return kSkippedToken;
-        const int column = t >> p.page_shift;
-        const int id = table[column];
-        if (static_cast<unsigned>(id) < static_cast<unsigned>(p.num_blocks)) return id;
-        *bad = 1;
-        report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, request, column, id, p.num_blocks);
-        return kSkippedToken;
-    }
-    __device__ __forceinline__ int64_t offset(const SplitKVParams& p, int id, int page, int row) const {
-        if (id < 0) return kSkippedToken;
-        const int t = page * kBlockN + row;
-        return (int64_t)id * p.cache_block_stride + (int64_t)(t & (p.page_block_size - 1)) * kHeadDimK;
     }
 };
 

@@ -99,7 +99,7 @@ __device__ __forceinline__ void qk_full_page(typename T::Element* sq, typename T
     CUTE_UNROLL
     for (int tile = 0; tile < kTilesK; ++tile) {
         const uint32_t bar = bar_page + tile * sizeof(uint64_t);
-        if (idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, 64 * kTileCols * sizeof(typename T::Element));
+        if (!T::kProducer && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, 64 * kTileCols * sizeof(typename T::Element));
         mbarrier_wait(bar, phase);
     }
     typename T::MmaQK mma;
