@@ -20,7 +20,8 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
-from .constants import BLOCK_M, BLOCK_N, COMBINE_WARPS, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS, SPLITKV_THREADS
+from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_STAGED_ROW_BYTES, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS,
+                        SPLITKV_THREADS)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -238,9 +239,11 @@ class LaunchPlan:
         """Re-encode a tensor map only when its array's address changed."""
         entry = self._maps[index]
         if entry[5] != address:
-            fp8_bytes = entry[4]
-            raw = tma.rows_4d_at(address, np.uint8 if fp8_bytes else self.dtype, entry[1], entry[2], box_rows=entry[3],
-                                 swizzle_128b=not fp8_bytes)
+            if entry[4]:        # the dense FP8 cache, staged in boxes of 128-byte rows (fp8_expand.cuh)
+                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3],
+                                     box_cols=FP8_STAGED_ROW_BYTES, swizzle_128b=False)
+            else:
+                raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
             ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
             entry[5] = address
 
@@ -269,7 +272,7 @@ class CallPlan(LaunchPlan):
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
         maps = [(SplitKVParams.tma_q.offset, *q_map)]
-        # a box is one piece of a page (kernel); the FP8 cache's: 64 e4m3 bytes of its rows
+        # a box is one piece of a page (kernel); the FP8 cache's rows: 128 e4m3 bytes
         maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
                      a.fp8_cache))
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),

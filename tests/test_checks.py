@@ -783,7 +783,8 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
 @pytest.mark.parametrize("page", [1, 64, 256])
 def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monkeypatch):
     # FP8_CASES differ from these arguments in one argument only. The cache's bytes are staged
-    # by TMA (a byte map without swizzle, boxes of one piece); k_scale's address goes to the kernel.
+    # by TMA (a byte map without swizzle, boxes of one piece's rows of 128 bytes); k_scale's address
+    # goes to the kernel.
     from flashmla_cupy import tma
 
     maps = []
@@ -803,7 +804,7 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monk
     assert splitkv.block[0] == 384 and "cluster_x" not in splitkv.options
     (address, dtype, shape, strides), kwargs = maps[-1]
     assert (address, np.dtype(dtype), shape) == (args["k_cache"].data.ptr, np.uint8, (NUM_BLOCKS, page, 1, 576))
-    assert kwargs == {"box_rows": min(page, 64), "swizzle_128b": False}
+    assert kwargs == {"box_rows": min(page, 64), "box_cols": 128, "swizzle_128b": False}
     assert (p.o, p.lse, combine.params.o) == (out.data.ptr, lse.data.ptr, out.data.ptr)
 
 

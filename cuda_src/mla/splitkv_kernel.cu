@@ -118,6 +118,9 @@ struct SplitKVCta {
     static constexpr uint32_t kTileBytes = kTileElems * sizeof(Element);
 
     using Rope = typename T::RopeElement;       // Q's tile 8 in registers (the seesaw)
+    // Warpgroup 1's QK^T starts at V_R (16-bit cache: its page's tiles loaded first) or, in the
+    // expander's order, at tile 8 (qk_tiles).
+    static constexpr int kWg1FirstTile = T::kQkFromLastTile ? 0 : 4;
     const SplitKVParams& p;
     typename T::SharedStorage& st;
     const int wg, idx;                      // warpgroup, thread within it
@@ -206,20 +209,20 @@ struct SplitKVCta {
     // Issued by each thread that loads a piece: tiles [kFirst, kLast) of its piece of page `page`
     // (cache block `block`) into kv[buf]. Whoever consumes a tile announces the whole tile's
     // bytes on its barrier (qk_tiles).
-    // Dense FP8 cache: <0, 4> stages all nine raw boxes of the piece (fp8_expand.cuh: their space
-    // is free where tiles 0-3 are), and <4, 9> only releases V_R to the expander (release_v_right).
+    // Dense FP8 cache: kFirst 0 stages all the piece's e4m3 bytes (fp8_expand.cuh: their boxes
+    // lie where tiles 0-3 and 8 are, free by then); tiles 4-8 need nothing more.
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_page_tiles(int buf, int page, int block) const {
         const int first_row = piece() << p.piece_shift;                   // of the page buffer
         const int cache_row = (page * kBlockN + first_row) & (p.page_block_size - 1);
         if constexpr (T::kCache == KVCache::kFp8) {
             if constexpr (kFirst == 0) {
-                const uint32_t bar = smem_u32(&st.bar_raw[buf]);
-                const uint32_t dst = smem_u32(page_buf(buf)) + first_row * kTileCols;
+                const uint32_t bar = smem_u32(&st.bar_staged[buf]);
+                const uint32_t dst = smem_u32(page_buf(buf)) + first_row * kFp8StagedRowBytes;
                 CUTE_UNROLL
-                for (int t = 0; t < kTilesK; ++t) {
-                    tma_load_4d(&p.tma_kv, bar, dst + raw_box_offset(t), t * kTileCols, cache_row, kv_head, block,
-                                L2Hint::kEvictFirst);
+                for (int box = 0; box < kStagedBoxes; ++box) {
+                    tma_load_4d(&p.tma_kv, bar, dst + staged_box_offset(box), box * kFp8StagedRowBytes, cache_row,
+                                kv_head, block, L2Hint::kEvictFirst);
                 }
             }
             return;
@@ -315,7 +318,7 @@ struct SplitKVCta {
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
         }
         if constexpr (!kLast0 && !kLast1) {
-            // S0 of page + 2: its tiles 0-3 were requested first, so start with them.
+            // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
@@ -369,7 +372,7 @@ struct SplitKVCta {
             refill_v_right(0, page + 2, next_id0);
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
-            qk_tiles<T, 4, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
+            qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
             phase1 ^= 1;
         }
         // Kept outside the branches above: a wait inside them makes ptxas serialize the WGMMAs.
@@ -398,7 +401,7 @@ struct SplitKVCta {
             }
         } else {
             if (page + 1 < end_page) {
-                qk_tiles<T, 4, kTilesK, true>(st.q, page_buf(1), bar_kv1, phase1, q8, s, idx);
+                qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, page_buf(1), bar_kv1, phase1, q8, s, idx);
                 phase1 ^= 1;
                 warpgroup_wait<0>();
             }
@@ -547,7 +550,7 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         // expander's byte count) completes a staged page.
         for (int b = 0; b < 2; ++b) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : 4);
-            mbarrier_init(smem_u32(&st.bar_raw[b]), 1);
+            mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
         }
         mbarrier_init_fence();
     }

@@ -34,6 +34,8 @@ struct SplitKVTraits {
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
+    // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
+    static constexpr bool kQkFromLastTile = kCache == KVCache::kFp8;
     // The caller's precision: q and O.
     using IoElement = cuda::std::conditional_t<kProducer, cutlass::bfloat16_t, Element>;
     // The RoPE tile (8) of Q and K.
@@ -110,7 +112,7 @@ struct SplitKVTraits {
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full)
         uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled (dense: its V_R)
-        uint64_t bar_raw[2];             // dense FP8 cache: a page's e4m3 bytes are staged
+        uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
