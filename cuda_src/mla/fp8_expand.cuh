@@ -89,6 +89,7 @@ struct Fp8Expander {
         read(buf, kTilesK - 1, raw);
         everyone_has_read();
         write(buf, kTilesK - 1, raw);
+        read(buf, kTilesV - 1, raw);                            // staged: read before V_R is free
         if (nth >= 2) {
             mbarrier_wait(smem_u32(&st.bar_free[buf]), (free_phase >> buf) & 1);
             free_phase ^= 1u << buf;
@@ -96,7 +97,7 @@ struct Fp8Expander {
         CUTE_UNROLL
         for (int tile = kTilesV - 1; tile >= 0; --tile) {
             if (tile == 3 || tile == 1) everyone_has_read();    // boxes 3, 2 / 1 are free
-            read(buf, tile, raw);
+            if (tile < kTilesV - 1) read(buf, tile, raw);
             if (tile == 0) everyone_has_read();                 // box 0 holds tile 0 too
             write(buf, tile, raw);
         }
