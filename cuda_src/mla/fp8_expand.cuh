@@ -41,10 +41,10 @@ struct Fp8Expander {
 
     typename T::SharedStorage& st;
     const int idx;                                  // thread within the warpgroup
-    uint32_t staged_phase = 0, free_phase = 0;      // bit b: page buffer b's next phase
+    uint32_t phases = 0;                            // bit b / 2 + b: buffer b's next bar_staged / bar_free phase
 
     __device__ __forceinline__ explicit Fp8Expander(typename T::SharedStorage& storage)
-        : st(storage), idx(threadIdx.x % 128) {}
+        : st(storage), idx(thread_index_here() % 128) {}
 
     // A tile is 256 chunks of 16 values; this thread's are idx and idx + 128: row c / 4, values
     // 16 (c % 4) .. of the tile.
@@ -83,16 +83,16 @@ struct Fp8Expander {
     __device__ __forceinline__ void expand_page(int buf, int nth) {
         const uint32_t bar_staged = smem_u32(&st.bar_staged[buf]);
         if (idx == 0) mbarrier_arrive_expect_tx(bar_staged, kStagedPageBytes);
-        mbarrier_wait(bar_staged, (staged_phase >> buf) & 1);
-        staged_phase ^= 1u << buf;
+        mbarrier_wait(bar_staged, (phases >> buf) & 1);
+        phases ^= 1u << buf;
         uint4 raw[2];
         read(buf, kTilesK - 1, raw);
         everyone_has_read();
         write(buf, kTilesK - 1, raw);
         read(buf, kTilesV - 1, raw);                            // staged: read before V_R is free
         if (nth >= 2) {
-            mbarrier_wait(smem_u32(&st.bar_free[buf]), (free_phase >> buf) & 1);
-            free_phase ^= 1u << buf;
+            mbarrier_wait(smem_u32(&st.bar_free[buf]), (phases >> (2 + buf)) & 1);
+            phases ^= 4u << buf;
         }
         CUTE_UNROLL
         for (int tile = kTilesV - 1; tile >= 0; --tile) {

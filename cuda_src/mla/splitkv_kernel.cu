@@ -17,12 +17,14 @@
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
 //
-// FP8 forms (T::kProducer): a third warpgroup fills the page buffers with dequantized tokens
-// (fp8_producer.cuh) and the consumers follow another schedule (fp8_consumers.cuh). Sparse
-// decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a page 64
-// of its indices. The dense FP8 cache (KVCache::kFp8): the requests and pages above, its scale
-// applied to the scores and to O. With two m-blocks (or pairs of them) the CTAs of a request form
-// a cluster that shares the dequantized pages.
+// FP8 forms (T::kProducer), 384 threads: a third warpgroup fills the page buffers with fp16
+// values. The dense FP8 cache (KVCache::kFp8): the requests, pages and seesaw above; TMA stages
+// each page's e4m3 bytes inside its own page buffer where the seesaw has freed it, and the third
+// warpgroup expands them in place (fp8_expand.cuh); the scale multiplies the scores and O.
+// Sparse decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a
+// page 64 of its indices; the third warpgroup gathers and dequantizes the tokens
+// (fp8_producer.cuh) for consumers of another schedule (fp8_consumers.cuh), and with two
+// m-blocks (or pairs of them) the CTAs of a request form a cluster that shares those pages.
 //
 // Every value read from the caller's integer arrays is checked before it is used as an index:
 // a request whose length is outside [0, page_block_size * block_table columns] or that uses a block id outside
@@ -125,7 +127,7 @@ struct SplitKVCta {
     typename T::SharedStorage& st;
     const int wg, idx;                      // warpgroup, thread within it
     const int m_block, kv_head;
-    // The m-block whose causal mask sets the pages read: FP8 pairs read the same pages, the
+    // The m-block whose causal mask sets the pages read: sparse pairs read the same pages, the
     // later block's (the earlier one masks what its rows do not see).
     const int span_m_block;
     const uint32_t bar_q, bar_kv0, bar_kv1;
@@ -554,7 +556,7 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         }
         mbarrier_init_fence();
     }
-    // FP8 pairs write into each other's buffers and barriers: both must be initialized.
+    // Sparse pairs write into each other's buffers and barriers: both must be initialized.
     if constexpr (kProducer) {
         cluster_sync();
     } else {
