@@ -12,7 +12,10 @@ BLOCK_N = 64                # tokens per split-KV step (the scheduler's unit); c
 BLOCK_M = 64                # query rows (heads x MTP tokens) per split-KV CTA
 TMA_BOX = 64                # a TMA box is 64 rows x 64 columns (128 bytes of 16-bit values: one swizzle atom)
 SPLITKV_THREADS = 256       # two warpgroups
-PRODUCER_THREADS = 128      # the FP8 caches' third warpgroup: gathers and dequantizes tokens
+PRODUCER_THREADS = 128      # the FP8 caches' third warpgroup: fills the page buffers with fp16 values
+# The dense FP8 cache is staged by TMA in boxes of 128 e4m3 bytes per row (two tiles' columns):
+# every row of any piece of a page then starts on the 128-byte boundary TMA needs.
+FP8_STAGED_ROW_BYTES = 128
 COMBINE_WARPS = 8           # one query row per warp
 FIXED_OVERHEAD_BLOCKS = 5   # scheduler: cost of one request piece beyond its pages, in pages
 SCHED_META_INTS = 8         # ints per SM part in tile_scheduler_metadata
@@ -32,7 +35,7 @@ ERROR_SCHEDULE = 4          # metadata / num_splits inconsistent with this batch
 ERROR_METADATA_KIND = 5     # metadata of another kind of call: other topk, dense vs sparse (split-KV kernel)
 
 _SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "BLOCK_N", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
-           "PRODUCER_THREADS",
+           "PRODUCER_THREADS", "FP8_STAGED_ROW_BYTES",
            "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
            "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",
            "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE", "ERROR_METADATA_KIND")

@@ -20,7 +20,8 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
-from .constants import BLOCK_M, BLOCK_N, COMBINE_WARPS, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS, SPLITKV_THREADS
+from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_STAGED_ROW_BYTES, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS,
+                        SPLITKV_THREADS)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -162,7 +163,8 @@ class LaunchPlan:
                                interop.torch_dtype(np.dtype(np.float32)))
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
-        self._maps = [list(m) + [None] for m in maps]   # (field offset, shape, byte strides, box rows, last address)
+        # (field offset, shape, byte strides, box rows, e4m3 bytes: a byte map without swizzle, last address)
+        self._maps = [list(m) + [False] * (5 - len(m)) + [None] for m in maps]
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
 
@@ -236,10 +238,14 @@ class LaunchPlan:
     def _update_map(self, index: int, address: int) -> None:
         """Re-encode a tensor map only when its array's address changed."""
         entry = self._maps[index]
-        if entry[4] != address:
-            raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
+        if entry[5] != address:
+            if entry[4]:        # the dense FP8 cache, staged in boxes of 128-byte rows (fp8_expand.cuh)
+                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3],
+                                     box_cols=FP8_STAGED_ROW_BYTES, swizzle_128b=False)
+            else:
+                raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
             ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
-            entry[4] = address
+            entry[5] = address
 
 
 # The dense FP8 cache's pointer fields: the dense ones and theirs (indices .. attn_sink unused).
@@ -249,7 +255,7 @@ FP8_SPLITKV_POINTERS = SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink"
 class CallPlan(LaunchPlan):
     """A checked dense call layout on one device and stream: kernels, launch configurations,
     constant parameter fields, tensor maps and a default workspace. The 16-bit cache is read by
-    TMA (its tensor map here); the FP8 cache by the kernel's producer warpgroup (its address)."""
+    TMA (its tensor map here); so is the FP8 cache's bytes, which the kernel expands in place."""
 
     def __init__(self, a: checks.MLAInputs, stream_ptr: int, family: str):
         # Sizes only: a plan must not keep the caller's arrays (the cache can be many GB) alive.
@@ -266,8 +272,9 @@ class CallPlan(LaunchPlan):
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
         maps = [(SplitKVParams.tma_q.offset, *q_map)]
-        if not a.fp8_cache:     # a box is one piece of a page (kernel)
-            maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N)))
+        # a box is one piece of a page (kernel); the FP8 cache's rows: 128 e4m3 bytes
+        maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
+                     a.fp8_cache))
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
                          (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), maps)
 
@@ -278,11 +285,10 @@ class CallPlan(LaunchPlan):
         splitkv = launch.get_kernel(programs.splitkv_program(programs.FP8_TAG if a.fp8_cache else tag))
         combine = launch.get_kernel(programs.combine_program(tag))
         num_m_blocks = -(-a.q_rows // BLOCK_M)
-        # FP8: a producer warpgroup more, and pairs of m-blocks share its pages (fp8_producer.cuh)
+        # FP8: a warpgroup more, which expands the staged pages (fp8_expand.cuh)
         threads = SPLITKV_THREADS + (PRODUCER_THREADS if a.fp8_cache else 0)
         self.splitkv = splitkv.prepare((num_m_blocks, a.h_kv, a.num_sm_parts), (threads, 1, 1), SplitKVParams,
-                                       smem=programs.SPLITKV_SMEM_BYTES, stream=self.stream_ptr, pdl=True,
-                                       cluster_x=2 if a.fp8_cache and num_m_blocks % 2 == 0 else 1)
+                                       smem=programs.SPLITKV_SMEM_BYTES, stream=self.stream_ptr, pdl=True)
         p = self.splitkv.params
         p.block_table_stride, p.max_blocks_per_seq = a.block_table_stride, a.block_table_columns
         p.num_blocks, p.page_block_size = a.k_cache_shape[:2]
@@ -319,11 +325,11 @@ class CallPlan(LaunchPlan):
             self._update_map(0, q_ptr)
             lse_accum_ptr, o_accum_ptr = ws.lse_accum_ptr, ws.o_accum_ptr
             offset, fmt = self._splitkv_pointers
+            self._update_map(1, k_ptr)
             if a.fp8_cache:
                 struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
                                  lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr, 0, 0, 0, k_ptr, pointers[6])
             else:
-                self._update_map(1, k_ptr)
                 struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
                                  lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr)
             self.splitkv()

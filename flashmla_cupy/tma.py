@@ -29,6 +29,7 @@ def _data_type(dtype: np.dtype):
         np.dtype(ml_dtypes.bfloat16): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         np.dtype(np.float16): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         np.dtype(np.float32): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        np.dtype(np.uint8): drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }
     return types[np.dtype(dtype)]
 
@@ -70,7 +71,7 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
 
 
 def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
-               box_rows: int = 64, box_cols: int = 64) -> bytes:
+               box_rows: int = 64, box_cols: int = 64, swizzle_128b: bool = True) -> bytes:
     """Tensor map of a 4-D array ``[outer][rows][heads][cols]`` (last dim contiguous) at
     ``address``, given its shape and byte strides.
 
@@ -81,4 +82,4 @@ def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
     outer, rows, heads, cols = shape
     s_outer, s_rows, s_heads, _ = strides_bytes
     return encode_tiled(address, dtype, (cols, rows, heads, outer), (s_rows, s_heads, s_outer),
-                        (box_cols, box_rows, 1, 1))
+                        (box_cols, box_rows, 1, 1), swizzle_128b)

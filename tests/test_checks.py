@@ -782,11 +782,13 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
 
 @pytest.mark.parametrize("page", [1, 64, 256])
 def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monkeypatch):
-    # FP8_CASES differ from these arguments in one argument only. The cache is read by the
-    # producer warpgroup (its address, no tensor map); k_scale's address goes to the kernel.
+    # FP8_CASES differ from these arguments in one argument only. The cache's bytes are staged
+    # by TMA (a byte map without swizzle, boxes of one piece's rows of 128 bytes); k_scale's address
+    # goes to the kernel.
     from flashmla_cupy import tma
 
-    monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: bytes(128))       # no driver here
+    maps = []
+    monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: maps.append((args, kwargs)) or bytes(128))
     a = fake_gpu.arrays
     args = fp8_args(a, k_cache=lambda a: a.empty((NUM_BLOCKS, page, 1, 576), np.uint8))
     out, lse = a.empty((B, S_Q, H_Q, 512), BF16), a.empty((B, H_Q, S_Q), F32)
@@ -799,7 +801,10 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monk
         args[k].data.ptr for k in ("k_cache", "k_scale", "block_table", "cache_seqlens"))
     assert (p.indices, p.topk_length, p.attn_sink) == (0, 0, 0)
     assert (p.page_block_size, p.page_shift, p.cache_block_stride) == (page, page.bit_length() - 1, page * 576)
-    assert splitkv.block[0] == 384 and splitkv.options["cluster_x"] == 1     # one m-block: no pair
+    assert splitkv.block[0] == 384 and "cluster_x" not in splitkv.options
+    (address, dtype, shape, strides), kwargs = maps[-1]
+    assert (address, np.dtype(dtype), shape) == (args["k_cache"].data.ptr, np.uint8, (NUM_BLOCKS, page, 1, 576))
+    assert kwargs == {"box_rows": min(page, 64), "box_cols": 128, "swizzle_128b": False}
     assert (p.o, p.lse, combine.params.o) == (out.data.ptr, lse.data.ptr, out.data.ptr)
 
 

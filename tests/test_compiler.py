@@ -70,9 +70,9 @@ def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
     the cubin (always there), spills from ptxas's report: a stack of 0 bytes, callees included,
     rules spills out even where a log had no report (spills live in the stack)."""
     cubins = compiler.build_many(programs.mla_programs(), ARCH)
-    # NVRTC 12.6-12.8's ptxas spills a few values of the FP8 kernels' scores warpgroup and
-    # producer (12.6.68: 88 B sparse, 96 B dense; 0 from 12.9 on, docs/perf-notes.md sections 14
-    # and 16); bounded so that a regression (the sparse kernel's old split: 416 B) fails.
+    # NVRTC 12.6-12.8's ptxas spills a few values of the FP8 kernels' warpgroups after their
+    # register split (12.6.68: 96 B sparse, 32 B dense; 0 from 12.9 on, docs/perf-notes.md
+    # sections 14 and 16); bounded so that a regression (the sparse kernel's old split: 416 B) fails.
     old_ptxas_stack = {programs.splitkv_program(tag).name: 96
                        for tag in (programs.SPARSE_FP8_TAG, programs.FP8_TAG)}
     for c in cubins:

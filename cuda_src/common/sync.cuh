@@ -11,6 +11,17 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// The thread index, read here (volatile): the compiler can then neither hoist what is computed
+// from it out of a loop nor keep the value from the kernel's prologue live (or spilled) up to
+// here. The FP8 kernels have no register to spare after their warpgroups' register split: NVRTC
+// 13.5 spilled an output row of the dense kernel's epilogue and the dense expander's thread index
+// (13.0, reading only in store_o, one of the sparse epilogue's).
+__device__ __forceinline__ int thread_index_here() {
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return tid;
+}
+
 // --- mbarrier (transaction barriers that TMA loads complete) ---------------------------------
 
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrive_count) {

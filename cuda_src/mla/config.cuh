@@ -24,6 +24,7 @@ constexpr int kTilesK = kHeadDimK / kTileCols;     // 9 tiles per K (or Q) row b
 constexpr int kTilesV = kHeadDimV / kTileCols;     // 8 tiles per V row block
 constexpr int kSplitKVThreads = FLASHMLA_SPLITKV_THREADS;
 constexpr int kProducerThreads = FLASHMLA_PRODUCER_THREADS;
+constexpr int kFp8StagedRowBytes = FLASHMLA_FP8_STAGED_ROW_BYTES;   // dense FP8 cache: fp8_expand.cuh
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
 static_assert(kBlockN == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "a page buffer tile is 64 rows x 64 columns");
 

@@ -1,16 +1,16 @@
-// The FP8 caches' two consumer warpgroups (after FlashMLA's sparse decoding kernel): one for the
-// scores and the left half of O, one for the right half of O, instead of the seesaw.
+// Sparse decoding's two consumer warpgroups (after FlashMLA's sparse decoding kernel): one for
+// the scores and the left half of O, one for the right half of O, instead of the seesaw.
 //
 // Per page (page buffer b = page parity within the request):
 //   scores warpgroup (0): S = Q K^T tile by tile as the producers fill them, the skipped tokens
-//     (sparse) or those past the row's border (dense: length, causal mask) masked, online
-//     softmax with the running max in registers; P -> p0 and the rows'
-//     rescale factors -> scale0; O_L = O_L * factor + P V_L.
+//     masked, online softmax with the running max in registers; P -> p0 and the rows' rescale
+//     factors -> scale0; O_L = O_L * factor + P V_L.
 //   values warpgroup (1): O_R = O_R * factor + P V_R, with P from p0.
 // Each releases the page buffer (bar_free, to every producer of the cluster) once its WGMMAs
-// have read it. Why not the seesaw: with the producer warpgroup beside it, two warpgroups that
-// each hold S and half of O leave the producer 56 registers, and both sides spill; warpgroup 1
-// needs no S here, so the split is 192 / 160 / 152 (splitkv_traits.cuh).
+// have read it. Why not the seesaw: two warpgroups that each hold S and half of O leave the
+// producer 40 registers, too few for a half page of gathered tokens in flight (the dense FP8
+// cache's expander needs no more: TMA loads its bytes); warpgroup 1 needs no S here, so the split
+// is 192 / 160 / 152 (splitkv_traits.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -52,8 +52,8 @@ __device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, 
         float factor[2];
         CUTE_UNROLL
         for (int half = 0; half < 2; ++half) {
-            const float page_max = masked_row_max<!T::kSparse, T::kSparse>(s, half, first_token, rows.right_border[half],
-                                                                           valid, scale_log2, idx);
+            const float page_max = masked_row_max<false, true>(s, half, first_token, rows.right_border[half], valid,
+                                                               scale_log2, idx);
             const float m_new = lazy_row_max(row_max[half], page_max);
             factor[half] = exp2_approx(row_max[half] - m_new);
             row_max[half] = m_new;

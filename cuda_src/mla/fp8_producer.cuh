@@ -1,24 +1,20 @@
-// The FP8 caches' producer warpgroup: gathers tokens and dequantizes them into the page buffers.
+// Sparse decoding's producer warpgroup (KVCache::kFp8Sparse): gathers tokens and dequantizes them
+// into the page buffers. (The shared-memory and conversion helpers here serve the dense FP8
+// cache's expander too, fp8_expand.cuh.)
 //
-// A "page" is 64 tokens: for sparse decoding (KVCache::kFp8Sparse) 64 consecutive entries of one
-// query token's index list, for the dense FP8 cache (KVCache::kFp8) 64 consecutive tokens of a
-// request, found through its block table. A token source (IndexedTokens, PagedTokens) says where
-// each row's token is. Token formats:
-//   kFp8Sparse, DeepSeek-V3.2's 656 bytes: 512 e4m3 NoPE values, 4 float32 scales (one per 128
-//     values), 64 bf16 RoPE values;
-//   kFp8, 576 bytes: 576 e4m3 values; the tensor's one scale is applied by the consumers.
-// The producer loads each row's token, dequantizes the e4m3 values to fp16 and stores everything
-// into a page buffer exactly as TMA stores a 16-bit page (nine 64 x 64 tiles, 128-byte swizzle),
-// so the consumers' WGMMAs are the 16-bit kernel's. Skipped rows (sparse: id < 0, id outside the
-// cache, position past topk_length; dense: past the request's length) get zeros and a 0 bit in
-// token_valid; a dense row whose block id is outside the cache gets zeros, flags the request
-// (its output is NaN) and the error is recorded.
+// A "page" is 64 consecutive entries of one query token's index list (IndexedTokens says where
+// each row's token is). A token is DeepSeek-V3.2's 656 bytes: 512 e4m3 NoPE values, 4 float32
+// scales (one per 128 values), 64 bf16 RoPE values. The producer loads each row's token,
+// dequantizes the e4m3 values to fp16 and stores everything into a page buffer exactly as TMA
+// stores a 16-bit page (nine 64 x 64 tiles, 128-byte swizzle), so the consumers' WGMMAs are the
+// 16-bit kernel's. Skipped rows (id < 0, id outside the cache, position past topk_length) get
+// zeros and a 0 bit in token_valid.
 //
 // Pairs (FlashMLA's "crossover"): with two m-blocks the two CTAs of a request form a cluster and
 // read the same tokens. Each dequantizes half of every page (rows 32r .. 32r + 31 for rank r)
 // into its own page buffer and, by st.async, into its peer's, whose tile barriers count those
-// bytes. A CTA alone (one m-block) dequantizes both halves. The sparse cache's bf16 RoPE tile is
-// copied by every CTA for all 64 rows itself (cp.async, no registers).
+// bytes. A CTA alone (one m-block) dequantizes both halves. The bf16 RoPE tile is copied by
+// every CTA for all 64 rows itself (cp.async, no registers).
 //
 // Hand-off per page buffer: the producer waits for the release by every consumer warpgroup of
 // the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on each of their full
@@ -55,6 +51,13 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+__device__ __forceinline__ uint4 load_shared(uint32_t src) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
+                 : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void store_shared(uint32_t dst, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -79,21 +82,21 @@ __device__ __forceinline__ uint32_t fp16x2_splat(float x) {
     return out;
 }
 
-// The byte offset a token source gives for a row without a token (zeros).
+// The byte offset of a row without a token (zeros).
 constexpr int64_t kSkippedToken = -1;
 
-// Sparse decoding: the entries of one query token's index list (the first `visible` count). An
-// entry is read two pages ahead of its use (entry), its byte offset one page ahead (offset).
+// The entries of one query token's index list (the first `visible` count). An entry is read two
+// pages ahead of its use (entry), its byte offset one page ahead (offset).
 struct IndexedTokens {
     const int* ids;
     int visible;
 
-    __device__ __forceinline__ int entry(const SplitKVParams&, int page, int row) const {
+    __device__ __forceinline__ int entry(int page, int row) const {
         const int t = page * kBlockN + row;
         return t < visible ? ids[t] : -1;
     }
     // Token id -> byte offset; a negative id or one past the cache is skipped.
-    __device__ __forceinline__ int64_t offset(const SplitKVParams& p, int id, int, int) const {
+    __device__ __forceinline__ int64_t offset(const SplitKVParams& p, int id) const {
         const bool valid = id >= 0 && id < p.cache_tokens;
         return valid ? (int64_t)(id / p.page_block_size) * p.cache_block_stride +
                        (int64_t)(id % p.page_block_size) * kFp8TokenBytes
@@ -101,40 +104,16 @@ struct IndexedTokens {
     }
 };
 
-// The dense FP8 cache: the `seqlen` tokens of request `request`, whose block ids are in `table`
-// (its block-table row); an entry is the block id of the row's token. A bad id sets `*bad`.
-struct PagedTokens {
-    const int* table;
-    int request;
-    int seqlen;
-    int* bad;
-
-    __device__ __forceinline__ int entry(const SplitKVParams& p, int page, int row) const {
-        const int t = page * kBlockN + row;
-        if (t >= seqlen) return kSkippedToken;
-        const int column = t >> p.page_shift;
-        const int id = table[column];
-        if (static_cast<unsigned>(id) < static_cast<unsigned>(p.num_blocks)) return id;
-        *bad = 1;
-        report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, request, column, id, p.num_blocks);
-        return kSkippedToken;
-    }
-    __device__ __forceinline__ int64_t offset(const SplitKVParams& p, int id, int page, int row) const {
-        if (id < 0) return kSkippedToken;
-        const int t = page * kBlockN + row;
-        return (int64_t)id * p.cache_block_stride + (int64_t)(t & (p.page_block_size - 1)) * kHeadDimK;
-    }
-};
-
 // What one lane loads of its token for a half page: NoPE chunks part + 4t (t = the V tile) and
-// 16 more bytes: the sparse token's four scales, or the dense token's RoPE chunk `part`.
+// the token's four scales.
 struct TokenLoads {
     uint4 nope[kTilesV];
-    uint4 extra;
+    uint4 scales;
 };
 
 template <typename T>
 struct Fp8Producer {
+    static_assert(T::kSparse, "the dense FP8 cache's pages are staged by TMA and expanded in place (fp8_expand.cuh)");
     static constexpr uint32_t kTileBytes = 64 * kTileCols * 2;
     static constexpr uint32_t kPeerTileBytes = kTileBytes / 2;   // the peer's half of a tile
 
@@ -167,7 +146,7 @@ struct Fp8Producer {
         for (int tile = 0; tile < kTilesV; ++tile) {
             t.nope[tile] = valid ? load_token_chunk(src + 16 * (part + 4 * tile)) : zero;
         }
-        t.extra = valid ? load_token_chunk(src + kHeadDimV + (T::kSparse ? 0 : 16 * part)) : zero;
+        t.scales = valid ? load_token_chunk(src + kHeadDimV) : zero;
         return t;
     }
 
@@ -179,41 +158,36 @@ struct Fp8Producer {
         if (ranks == 2) store_peer_async(dst + peer_offset, v, smem_u32(&st.bar_kv[buf][tile]) + peer_offset);
     }
 
-    // 16 e4m3 values (one chunk) times `scale2` (sparse; dense: unscaled) -> 2 fp16 chunks,
-    // 2 part and 2 part + 1, of row `row` of a tile.
+    // 16 e4m3 values (one chunk) times `scale2` -> 2 fp16 chunks, 2 part and 2 part + 1, of row
+    // `row` of a tile.
     __device__ __forceinline__ void store_dequantized(int buf, int tile, int row, uint4 raw, uint32_t scale2) const {
         const int part = lane / 8;
         const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
         uint32_t h[8];
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
-            h[2 * j] = e4m3x2_to_fp16x2(w[j] & 0xffffu);
-            h[2 * j + 1] = e4m3x2_to_fp16x2(w[j] >> 16);
-            if constexpr (T::kSparse) {
-                h[2 * j] = fp16x2_mul(h[2 * j], scale2);
-                h[2 * j + 1] = fp16x2_mul(h[2 * j + 1], scale2);
-            }
+            h[2 * j] = fp16x2_mul(e4m3x2_to_fp16x2(w[j] & 0xffffu), scale2);
+            h[2 * j + 1] = fp16x2_mul(e4m3x2_to_fp16x2(w[j] >> 16), scale2);
         }
         store_chunk(buf, tile, row, 2 * part, make_uint4(h[0], h[1], h[2], h[3]));
         store_chunk(buf, tile, row, 2 * part + 1, make_uint4(h[4], h[5], h[6], h[7]));
     }
 
-    // The tiles of group kGroup (0: tiles 0-3; 1: tiles 4-7, and the dense cache's RoPE tile 8)
-    // of row `row`, 16 values per lane and tile.
+    // The NoPE tiles of group kGroup (0: tiles 0-3; 1: tiles 4-7) of row `row`, 16 values per
+    // lane and tile.
     template <int kGroup>
     __device__ __forceinline__ void store_token(int buf, int row, const TokenLoads& t) const {
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) {
             const int tile = 4 * kGroup + i;
-            // sparse: tile t holds NoPE values 64t .., whose scale is number t / 2
-            const uint4 e = t.extra;
+            // tile t holds NoPE values 64t .., whose scale is number t / 2
+            const uint4 e = t.scales;
             const uint32_t scale_bits = tile / 2 == 0 ? e.x : tile / 2 == 1 ? e.y : tile / 2 == 2 ? e.z : e.w;
-            store_dequantized(buf, tile, row, t.nope[tile], T::kSparse ? fp16x2_splat(__uint_as_float(scale_bits)) : 0u);
+            store_dequantized(buf, tile, row, t.nope[tile], fp16x2_splat(__uint_as_float(scale_bits)));
         }
-        if constexpr (!T::kSparse && kGroup == 1) store_dequantized(buf, kTilesK - 1, row, t.extra, 0u);
     }
 
-    // Sparse: the RoPE tile (bf16, as cached) of all 64 rows, by cp.async: no registers, and the page's
+    // The RoPE tile (bf16, as cached) of all 64 rows, by cp.async: no registers, and the page's
     // only loads whose latency the stores wait for. `offsets` as lane_row spreads them.
     __device__ __forceinline__ void copy_rope(int buf, int64_t offsets) const {
         const int part = lane / 8;
@@ -239,14 +213,14 @@ struct Fp8Producer {
     // The group's tiles are complete in this CTA (warp 0 announces the peer's bytes of a pair).
     template <int kGroup>
     __device__ __forceinline__ void publish(int buf) const {
-        if constexpr (T::kSparse && kGroup == 1) cp_async_wait_all();
+        if constexpr (kGroup == 1) cp_async_wait_all();
         fence_smem_for_async_proxy();           // the consumers' WGMMAs read these stores
         __syncwarp();
         if (lane == 0) {
             CUTE_UNROLL
             for (int tile = 4 * kGroup; tile < (kGroup == 0 ? 4 : kTilesK); ++tile) {
                 const uint32_t bar = smem_u32(&st.bar_kv[buf][tile]);
-                if (ranks == 2 && warp == 0 && (tile < kTilesV || !T::kSparse)) {   // the peer's stores
+                if (ranks == 2 && warp == 0 && tile < kTilesV) {   // the peer's stores (RoPE: its own copy)
                     mbarrier_arrive_expect_tx(bar, kPeerTileBytes);
                 } else {
                     mbarrier_arrive(bar);
@@ -255,7 +229,7 @@ struct Fp8Producer {
         }
     }
 
-    // This lane's row of a page (a token source's view): lanes 0-15 (and again 16-31) hold rows
+    // This lane's row of a page (its entries): lanes 0-15 (and again 16-31) hold rows
     // 8 warp + lane % 8 and 32 + 8 warp + lane % 8.
     __device__ __forceinline__ int lane_row() const { return 8 * warp + lane % 8 + 32 * ((lane / 8) & 1); }
 
@@ -264,24 +238,23 @@ struct Fp8Producer {
         return __shfl_sync(0xffffffffu, offsets, 8 * half + lane % 8);
     }
 
-    // Pages [first_page, end_page) of `tokens` (a token source), alternating between the page
+    // Pages [first_page, end_page) of `tokens`, alternating between the page
     // buffers. The work comes in half pages (one per page in a pair, two alone); the loads of the
     // next half page are in flight while this one is stored, and the entries are read two pages
     // ahead.
-    template <typename Tokens>
-    __device__ __forceinline__ void fill_pages(const Tokens& tokens, int first_page, int end_page) {
+    __device__ __forceinline__ void fill_pages(const IndexedTokens& tokens, int first_page, int end_page) {
         if (first_page >= end_page) return;
         const int first_half = ranks == 2 ? rank : 0, halves = ranks == 2 ? 1 : 2;
         const int my_row = lane_row();
-        int64_t offsets = tokens.offset(p, tokens.entry(p, first_page, my_row), first_page, my_row);
-        int next_entry = first_page + 1 < end_page ? tokens.entry(p, first_page + 1, my_row) : kSkippedToken;
+        int64_t offsets = tokens.offset(p, tokens.entry(first_page, my_row));
+        int next_entry = first_page + 1 < end_page ? tokens.entry(first_page + 1, my_row) : kSkippedToken;
         TokenLoads current = load_token(half_offset(offsets, first_half));
         #pragma unroll 1
         for (int page = first_page; page < end_page; ++page) {
             const int buf = (page - first_page) & 1;
-            const int64_t next_offsets = page + 1 < end_page ? tokens.offset(p, next_entry, page + 1, my_row)
+            const int64_t next_offsets = page + 1 < end_page ? tokens.offset(p, next_entry)
                                                              : kSkippedToken;
-            next_entry = page + 2 < end_page ? tokens.entry(p, page + 2, my_row) : kSkippedToken;
+            next_entry = page + 2 < end_page ? tokens.entry(page + 2, my_row) : kSkippedToken;
             const uint32_t bits = __ballot_sync(0xffffffffu, offsets >= 0);
             #pragma unroll 1
             for (int h = 0; h < halves; ++h) {
@@ -295,7 +268,7 @@ struct Fp8Producer {
                         st.token_valid[buf][warp] = static_cast<uint8_t>(bits);
                         st.token_valid[buf][4 + warp] = static_cast<uint8_t>(bits >> 8);
                     }
-                    if constexpr (T::kSparse) copy_rope(buf, offsets);
+                    copy_rope(buf, offsets);
                 }
                 const int row = 32 * half + 8 * warp + lane % 8;
                 store_token<0>(buf, row, current);

@@ -28,16 +28,6 @@ struct OutputTarget {
     bool bad;            // a bad length or block id: out and lse are NaN
 };
 
-// The thread index, read where the epilogue starts (volatile): the compiler can then neither
-// hoist the output rows and addresses computed from it above the main loop nor hold them live
-// through it, where the FP8 kernels' scores warpgroup has no register to spare (NVRTC 13.5
-// spilled one such value of the dense kernel; reading only in store_o, 13.0 one of the sparse).
-__device__ __forceinline__ int thread_index_here() {
-    int tid;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    return tid;
-}
-
 // Total softmax sum per row: reduce the quad, then add the two warpgroups' halves through
 // shared memory. Returns the sums of this thread's two rows. Contains a __syncthreads.
 template <typename T>

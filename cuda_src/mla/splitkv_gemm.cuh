@@ -54,7 +54,8 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB cons
 struct RopeTileInSmem {};
 
 // S (+)= Q K^T over the page's 64-column tiles kFirst, kFirst+1, ... (kCount of them, wrapping
-// mod 9), each issued as soon as its barrier completes (one batch per tile). 16-bit cache: the
+// mod 9; counted from tile 8 down where T::kQkFromLastTile), each issued as soon as its barrier
+// completes (one batch per tile). 16-bit cache: the
 // consumer announces TMA's bytes; FP8 caches: the producers fill the tiles. `q_tile8`: see
 // RopeTileInSmem. `kFresh`: the first tile overwrites S instead of accumulating.
 template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS>
@@ -66,7 +67,7 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
     typename T::MmaQK mma;
     CUTE_UNROLL
     for (int i = 0; i < kCount; ++i) {
-        const int tile = (kFirst + i) % kTilesK;
+        const int tile = T::kQkFromLastTile ? kTilesK - 1 - (kFirst + i) % kTilesK : (kFirst + i) % kTilesK;
         const uint32_t bar = bar_page + tile * sizeof(uint64_t);
         if (!T::kProducer && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
         mbarrier_wait(bar, phase);
@@ -99,7 +100,7 @@ __device__ __forceinline__ void qk_full_page(typename T::Element* sq, typename T
     CUTE_UNROLL
     for (int tile = 0; tile < kTilesK; ++tile) {
         const uint32_t bar = bar_page + tile * sizeof(uint64_t);
-        if (idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, 64 * kTileCols * sizeof(typename T::Element));
+        if (!T::kProducer && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, 64 * kTileCols * sizeof(typename T::Element));
         mbarrier_wait(bar, phase);
     }
     typename T::MmaQK mma;

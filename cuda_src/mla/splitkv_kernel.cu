@@ -17,12 +17,14 @@
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
 //
-// FP8 forms (T::kProducer): a third warpgroup fills the page buffers with dequantized tokens
-// (fp8_producer.cuh) and the consumers follow another schedule (fp8_consumers.cuh). Sparse
-// decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a page 64
-// of its indices. The dense FP8 cache (KVCache::kFp8): the requests and pages above, its scale
-// applied to the scores and to O. With two m-blocks (or pairs of them) the CTAs of a request form
-// a cluster that shares the dequantized pages.
+// FP8 forms (T::kProducer), 384 threads: a third warpgroup fills the page buffers with fp16
+// values. The dense FP8 cache (KVCache::kFp8): the requests, pages and seesaw above; TMA stages
+// each page's e4m3 bytes inside its own page buffer where the seesaw has freed it, and the third
+// warpgroup expands them in place (fp8_expand.cuh); the scale multiplies the scores and O.
+// Sparse decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a
+// page 64 of its indices; the third warpgroup gathers and dequantizes the tokens
+// (fp8_producer.cuh) for consumers of another schedule (fp8_consumers.cuh), and with two
+// m-blocks (or pairs of them) the CTAs of a request form a cluster that shares those pages.
 //
 // Every value read from the caller's integer arrays is checked before it is used as an index:
 // a request whose length is outside [0, page_block_size * block_table columns] or that uses a block id outside
@@ -44,6 +46,7 @@
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
 #include "mla/fp8_consumers.cuh"
+#include "mla/fp8_expand.cuh"
 #include "mla/fp8_producer.cuh"
 
 namespace flashmla {
@@ -116,12 +119,15 @@ struct SplitKVCta {
     static constexpr int kTileElems = 64 * kTileCols;
     static constexpr uint32_t kTileBytes = kTileElems * sizeof(Element);
 
-    using Rope = typename T::IoElement;
+    using Rope = typename T::RopeElement;       // Q's tile 8 in registers (the seesaw)
+    // Warpgroup 1's QK^T starts at V_R (16-bit cache: its page's tiles loaded first) or, in the
+    // expander's order, at tile 8 (qk_tiles).
+    static constexpr int kWg1FirstTile = T::kQkFromLastTile ? 0 : 4;
     const SplitKVParams& p;
     typename T::SharedStorage& st;
     const int wg, idx;                      // warpgroup, thread within it
     const int m_block, kv_head;
-    // The m-block whose causal mask sets the pages read: FP8 pairs read the same pages, the
+    // The m-block whose causal mask sets the pages read: sparse pairs read the same pages, the
     // later block's (the earlier one masks what its rows do not see).
     const int span_m_block;
     const uint32_t bar_q, bar_kv0, bar_kv1;
@@ -130,15 +136,21 @@ struct SplitKVCta {
     int req = 0;
     int seqlen = 0;
     int end_page = 0;
+    float fp8_scale_log2 = 0.0f;            // dense FP8 cache: the softmax scale times k_scale
 
     __device__ __forceinline__ SplitKVCta(const SplitKVParams& params, typename T::SharedStorage& storage)
         : p(params), st(storage), wg(threadIdx.x / 128), idx(threadIdx.x % 128),
           m_block(blockIdx.x), kv_head(blockIdx.y),
-          span_m_block(T::kProducer ? blockIdx.x | (cluster_size() - 1) : blockIdx.x),
+          span_m_block(T::kSparse ? blockIdx.x | (cluster_size() - 1) : blockIdx.x),
           bar_q(smem_u32(&storage.bar_q)), bar_kv0(smem_u32(&storage.bar_kv[0][0])),
           bar_kv1(smem_u32(&storage.bar_kv[1][0])) {}
 
     __device__ __forceinline__ Element* page_buf(int buf) const { return st.kv[buf]; }
+
+    // The seesaw's softmax scale (log2 domain): the dense FP8 cache's scale multiplies it.
+    __device__ __forceinline__ float seesaw_scale_log2() const {
+        return T::kCache == KVCache::kFp8 ? fp8_scale_log2 : p.scale_log2;
+    }
 
     // Block id in column `column` of request `request`'s block-table row `table`. An id outside
     // the cache flags the request (NaN output, error record) and block 0 is loaded in its place.
@@ -199,10 +211,24 @@ struct SplitKVCta {
     // Issued by each thread that loads a piece: tiles [kFirst, kLast) of its piece of page `page`
     // (cache block `block`) into kv[buf]. Whoever consumes a tile announces the whole tile's
     // bytes on its barrier (qk_tiles).
+    // Dense FP8 cache: kFirst 0 stages all the piece's e4m3 bytes (fp8_expand.cuh: their boxes
+    // lie where tiles 0-3 and 8 are, free by then); tiles 4-8 need nothing more.
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_page_tiles(int buf, int page, int block) const {
         const int first_row = piece() << p.piece_shift;                   // of the page buffer
         const int cache_row = (page * kBlockN + first_row) & (p.page_block_size - 1);
+        if constexpr (T::kCache == KVCache::kFp8) {
+            if constexpr (kFirst == 0) {
+                const uint32_t bar = smem_u32(&st.bar_staged[buf]);
+                const uint32_t dst = smem_u32(page_buf(buf)) + first_row * kFp8StagedRowBytes;
+                CUTE_UNROLL
+                for (int box = 0; box < kStagedBoxes; ++box) {
+                    tma_load_4d(&p.tma_kv, bar, dst + staged_box_offset(box), box * kFp8StagedRowBytes, cache_row,
+                                kv_head, block, L2Hint::kEvictFirst);
+                }
+            }
+            return;
+        }
         const uint32_t bar = buf ? bar_kv1 : bar_kv0;
         const uint32_t dst = smem_u32(page_buf(buf) + first_row * kTileCols);
         CUTE_UNROLL
@@ -222,6 +248,16 @@ struct SplitKVCta {
             const int next = piece_block_id(table, req, r.seqlen, r.first_page + 1);
             load_page_tiles<4, kTilesK>(1, r.first_page + 1, next);
             load_page_tiles<0, 4>(1, r.first_page + 1, next);
+        }
+    }
+
+    // V_R of page buffer `buf` is consumed (warpgroup 1): tiles 4-8 of `page` follow (16-bit
+    // cache), or the expander may go on (dense FP8 cache: one arrival per warp).
+    __device__ __forceinline__ void refill_v_right(int buf, int page, int block) const {
+        if constexpr (T::kCache == KVCache::kFp8) {
+            if (idx % 32 == 0) mbarrier_arrive(smem_u32(&st.bar_free[buf]));
+        } else {
+            if (loads_piece()) load_page_tiles<4, kTilesK>(buf, page, block);
         }
     }
 
@@ -260,7 +296,7 @@ struct SplitKVCta {
             }
         }
 
-        wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, p.scale_log2, first_token, idx);
+        wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, seesaw_scale_log2(), first_token, idx);
         named_barrier_arrive(int(WgBarrier::kScale0Ready), 256);
         if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
         pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
@@ -284,7 +320,7 @@ struct SplitKVCta {
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
         }
         if constexpr (!kLast0 && !kLast1) {
-            // S0 of page + 2: its tiles 0-3 were requested first, so start with them.
+            // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
@@ -314,7 +350,7 @@ struct SplitKVCta {
         }
 
         named_barrier_sync(int(WgBarrier::kScale0Ready), 256);
-        wg1_softmax<kLast0, kLast1 || kLast2>(s, pb, o, rows, st.row_max, st.scale0, st.scale1, p.scale_log2,
+        wg1_softmax<kLast0, kLast1 || kLast2>(s, pb, o, rows, st.row_max, st.scale0, st.scale1, seesaw_scale_log2(),
                                               first_token, idx);
         named_barrier_arrive(int(WgBarrier::kScale1Ready), 256);
 
@@ -331,14 +367,14 @@ struct SplitKVCta {
 
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             warpgroup_wait<1>();                                  // P1 V1_R done: V1_R free
-            if (loads_piece()) load_page_tiles<4, kTilesK>(1, page + 3, next_id1);
+            refill_v_right(1, page + 3, next_id1);
         }
         if constexpr (!kLast0 && !kLast1) {
             warpgroup_wait<0>();                                  // P0 V0_R done: V0_R free
-            if (loads_piece()) load_page_tiles<4, kTilesK>(0, page + 2, next_id0);
+            refill_v_right(0, page + 2, next_id0);
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
-            qk_tiles<T, 4, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
+            qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
             phase1 ^= 1;
         }
         // Kept outside the branches above: a wait inside them makes ptxas serialize the WGMMAs.
@@ -367,7 +403,7 @@ struct SplitKVCta {
             }
         } else {
             if (page + 1 < end_page) {
-                qk_tiles<T, 4, kTilesK, true>(st.q, page_buf(1), bar_kv1, phase1, q8, s, idx);
+                qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, page_buf(1), bar_kv1, phase1, q8, s, idx);
                 phase1 ^= 1;
                 warpgroup_wait<0>();
             }
@@ -391,16 +427,15 @@ struct SplitKVCta {
     __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
         uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
-        // Which bad_request flag is this request's: the 16-bit cache's loads run one request
-        // ahead (req & 1); the dense FP8 producer runs ahead past requests without pages, so
-        // there the flag alternates between requests with pages. (Sparse requests are never bad.)
-        int paged_requests = 0;
+        // Which bad_request flag is this request's: the loads run one request ahead (req & 1).
+        // (Sparse requests are never bad.)
         if (threadIdx.x == 0) load_q(begin_req);
-        if constexpr (!T::kProducer) {
+        if constexpr (T::kSeesaw) {
             if (wg == 0 && loads_piece()) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
         }
-        // The dense FP8 cache's scale multiplies the scores (here) and O (output_factors).
+        // The FP8 caches' scale multiplies the scores (here) and O (output_factors).
         const float scale_log2 = T::kCache == KVCache::kFp8 ? p.scale_log2 * *p.kv_scale : p.scale_log2;
+        fp8_scale_log2 = scale_log2;
 
         #pragma unroll 1
         for (int req = begin_req; req <= end_req; ++req) {
@@ -425,11 +460,11 @@ struct SplitKVCta {
 
             Tensor o = partition_fragment_C(typename T::MmaPVRegP{}, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});
             clear(o);
-            if (!T::kProducer && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
+            if (T::kSeesaw && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
             mbarrier_wait(bar_q, (req - begin_req) & 1);   // Q's phase from the count: one register less
-            if constexpr (T::kProducer) {
-                q_to_fp16();
+            if constexpr (T::kProducer) q_to_fp16();
+            if constexpr (T::kSparse) {
                 if constexpr (kRole == 0) {
                     float row_max[2] = {kRowMaxInit, kRowMaxInit};
                     fp8_scores_pages<T>(st, scale_log2, span.first_page, span.end_page, o, rows, row_max, kv_phase,
@@ -458,7 +493,7 @@ struct SplitKVCta {
             if (req < end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
                 if (threadIdx.x == 0) load_q(req + 1);
-                if constexpr (!T::kProducer) {
+                if constexpr (T::kSeesaw) {
                     if (wg == 0 && loads_piece()) {
                         load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, range));
                     }
@@ -473,8 +508,7 @@ struct SplitKVCta {
             out.num_rows = min(p.q_rows - m_block * kBlockM, kBlockM);
             const long long split = (long long)p.num_splits[req] + (req == begin_req ? begin_split : 0);
             out.split_idx = span.whole ? -1 : static_cast<int>(split);
-            const int bad_slot = T::kCache == KVCache::kFp8 ? paged_requests & 1 : req & 1;
-            if constexpr (T::kCache == KVCache::kFp8) paged_requests += span.first_page < span.end_page;
+            const int bad_slot = req & 1;
             out.bad = span.bad || st.bad_request[bad_slot];        // set before reduce_row_sums' barrier
             if (!span.whole && (split < 0 || split >= p.total_splits)) {
                 if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, static_cast<int>(split), p.total_splits);
@@ -514,10 +548,15 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
         // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
-        for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_free[b]), 2 * cluster_size());
+        // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right); one arrival (the
+        // expander's byte count) completes a staged page.
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : 4);
+            mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
+        }
         mbarrier_init_fence();
     }
-    // FP8 pairs write into each other's buffers and barriers: both must be initialized.
+    // Sparse pairs write into each other's buffers and barriers: both must be initialized.
     if constexpr (kProducer) {
         cluster_sync();
     } else {
@@ -548,31 +587,44 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
     if constexpr (kProducer) {
         if (threadIdx.x >= T::kConsumerThreads) {
             warpgroup_release_registers<T::kProducerRegs>();
-            Fp8Producer<T> producer(p, st);
-            int paged_requests = 0;     // the bad-request flag's slot (run_requests)
-            #pragma unroll 1
-            for (int req = begin_req; req <= end_req; ++req) {
-                const RequestSpan span = request_span<T>(p, cta.span_m_block, req, range);
-                if constexpr (kSparse) {
+            if constexpr (kSparse) {
+                Fp8Producer<T> producer(p, st);
+                #pragma unroll 1
+                for (int req = begin_req; req <= end_req; ++req) {
+                    const RequestSpan span = request_span<T>(p, cta.span_m_block, req, range);
                     const int* ids = p.indices + (req / p.sparse_s_q) * p.indices_stride_b +
                                      (req % p.sparse_s_q) * p.indices_stride_s;
                     producer.fill_pages(IndexedTokens{ids, span.seqlen}, span.first_page, span.end_page);
-                } else if (span.first_page < span.end_page) {
-                    const PagedTokens tokens{p.block_table + req * p.block_table_stride, req, span.seqlen,
-                                             &st.bad_request[paged_requests & 1]};
-                    producer.fill_pages(tokens, span.first_page, span.end_page);
-                    ++paged_requests;
+                }
+            } else {
+                Fp8Expander<T> expander(st);
+                #pragma unroll 1
+                for (int req = begin_req; req <= end_req; ++req) {
+                    const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
+                    #pragma unroll 1
+                    for (int page = span.first_page; page < span.end_page; ++page) {
+                        expander.expand_page((page - span.first_page) & 1, page - span.first_page);
+                    }
                 }
             }
             cluster_sync();            // neither CTA of a pair exits while the other may write into it
             return;
         }
-        if (cta.wg == 0) {
-            warpgroup_claim_registers<T::kScoresRegs>();
-            cta.template run_requests<0>(begin_req, end_req, range, begin_split);
+        if constexpr (kSparse) {
+            if (cta.wg == 0) {
+                warpgroup_claim_registers<T::kScoresRegs>();
+                cta.template run_requests<0>(begin_req, end_req, range, begin_split);
+            } else {
+                warpgroup_release_registers<T::kValuesRegs>();
+                cta.template run_requests<1>(begin_req, end_req, range, begin_split);
+            }
         } else {
-            warpgroup_release_registers<T::kValuesRegs>();
-            cta.template run_requests<1>(begin_req, end_req, range, begin_split);
+            if (cta.wg == 0) {
+                warpgroup_claim_registers<T::kScoresRegs>();
+            } else {
+                warpgroup_claim_registers<T::kValuesRegs>();
+            }
+            cta.template run_requests<-1>(begin_req, end_req, range, begin_split);
         }
         cluster_sync();
     } else {

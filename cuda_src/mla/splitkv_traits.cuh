@@ -14,11 +14,14 @@ using namespace cute;
 enum class KVCache : int {
     k16Bit = 0,       // the cache in q's dtype (bf16 / fp16), loaded by TMA; the seesaw consumers
     kFp8Sparse = 1,   // DeepSeek-V3.2's 656-byte FP8 tokens, named by `indices` (sparse decoding)
-    kFp8 = 2,         // e4m3 tokens of 576 values with one scale per tensor, by block table
+    kFp8 = 2,         // e4m3 tokens of 576 values with one scale per tensor, by block table; the
+                      // seesaw consumers, a warpgroup expanding the pages that TMA staged (fp8_expand.cuh)
 };
 
-// The FP8 caches (kProducer): a third warpgroup gathers the tokens and dequantizes them into the
-// page buffers (fp8_producer.cuh), whose consumers are not the seesaw (fp8_consumers.cuh). Q,
+// The FP8 caches (kProducer): a third warpgroup fills the page buffers with fp16 values: the
+// sparse cache's gathers and dequantizes its tokens (fp8_producer.cuh) for consumers that are not
+// the seesaw (fp8_consumers.cuh); the dense FP8 cache's expands pages that the consumers' TMA
+// loads staged in the page buffers themselves (fp8_expand.cuh) for the seesaw. Q,
 // K, V and P are fp16 there (Q converted in place; e4m3 values, and the sparse cache's
 // power-of-two scales, are exact in fp16, and e4m3 -> fp16 is one instruction per pair), and O is
 // bf16. The sparse cache keeps its RoPE part in bf16, so that tile of Q stays bf16; the dense
@@ -30,6 +33,9 @@ struct SplitKVTraits {
     static constexpr KVCache kCache = kCache_;
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
+    static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
+    // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
+    static constexpr bool kQkFromLastTile = kCache == KVCache::kFp8;
     // The caller's precision: q and O.
     using IoElement = cuda::std::conditional_t<kProducer, cutlass::bfloat16_t, Element>;
     // The RoPE tile (8) of Q and K.
@@ -44,11 +50,12 @@ struct SplitKVTraits {
     static_assert(kConsumerThreads == 256, "two consumer warpgroups");
     static_assert(!kProducer || kProducerThreads == 128, "one producer warpgroup");
     // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
-    // gives (384 x 168): the scores warpgroup holds S, P and O_L, the values warpgroup only O_R,
-    // and the producer a half page's loads per round in flight.
-    static constexpr int kScoresRegs = kSparse ? 192 : 200;
-    static constexpr int kValuesRegs = 160;
-    static constexpr int kProducerRegs = kSparse ? 152 : 144;
+    // gives (384 x 168). Sparse: the scores warpgroup holds S, P and O_L, the values warpgroup only
+    // O_R, and the producer a half page's loads per round in flight. Dense: the seesaw's two
+    // warpgroups as in the 16-bit kernel, and an expander that holds two chunks at a time.
+    static constexpr int kScoresRegs = kSparse ? 192 : 232;
+    static constexpr int kValuesRegs = kSparse ? 160 : 232;
+    static constexpr int kProducerRegs = kSparse ? 152 : 40;
     static_assert(!kProducer || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
@@ -104,7 +111,8 @@ struct SplitKVTraits {
         int bad_request[2];              // a bad block id was seen (NaN output); slots: run_requests
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full)
-        uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled
+        uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled (dense: its V_R)
+        uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
