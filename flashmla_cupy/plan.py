@@ -164,7 +164,7 @@ class LaunchPlan:
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
         # (field offset, shape, byte strides, box rows, e4m3 bytes: a byte map without swizzle, last address)
-        self._maps = [list(m) + [False] * (5 - len(m)) + [None] for m in maps]
+        self._maps = [list(m) + [None] for m in maps]
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
 
@@ -271,7 +271,7 @@ class CallPlan(LaunchPlan):
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
-        maps = [(SplitKVParams.tma_q.offset, *q_map)]
+        maps = [(SplitKVParams.tma_q.offset, *q_map, False)]
         # a box is one piece of a page (kernel); the FP8 cache's rows: 128 e4m3 bytes
         maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
                      a.fp8_cache))

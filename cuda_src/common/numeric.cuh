@@ -1,5 +1,7 @@
-// Floating-point constants (NVRTC has no <cmath> macros such as INFINITY or M_LOG2E) and exp2 on the SFU.
+// Floating-point constants (NVRTC has no <cmath> macros such as INFINITY or M_LOG2E), exp2 on the
+// SFU and the e4m3 -> fp16 conversion.
 #pragma once
+#include <cuda/std/cstdint>
 #include <cuda/std/limits>
 
 namespace flashmla {
@@ -17,6 +19,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// Two e4m3 values (a 16-bit word) -> fp16x2 (exact).
+__device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(two_fp8)));
+    return h;
 }
 
 }  // namespace flashmla

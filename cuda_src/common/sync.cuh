@@ -1,4 +1,4 @@
-// Shared-memory barriers on 32-bit shared addresses.
+// Shared-memory barriers and accesses on 32-bit shared addresses.
 //
 // NVRTC gives generic pointers to shared memory 64 bits; converting once to a 32-bit shared
 // address and passing that around keeps the hot loops' address arithmetic in single registers.
@@ -9,6 +9,18 @@ namespace flashmla {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ uint4 load_shared(uint32_t src) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_shared(uint32_t dst, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
 }
 
 // The thread index, read here (volatile): the compiler can then neither hoist what is computed

@@ -17,9 +17,9 @@
 #pragma once
 #include <cuda/std/cstdint>
 
+#include "common/numeric.cuh"
 #include "common/sync.cuh"
 #include "mla/config.cuh"
-#include "mla/fp8_producer.cuh"
 #include "mla/splitkv_traits.cuh"
 
 namespace flashmla {

@@ -1,6 +1,5 @@
 // Sparse decoding's producer warpgroup (KVCache::kFp8Sparse): gathers tokens and dequantizes them
-// into the page buffers. (The shared-memory and conversion helpers here serve the dense FP8
-// cache's expander too, fp8_expand.cuh.)
+// into the page buffers.
 //
 // A "page" is 64 consecutive entries of one query token's index list (IndexedTokens says where
 // each row's token is). A token is DeepSeek-V3.2's 656 bytes: 512 e4m3 NoPE values, 4 float32
@@ -28,6 +27,7 @@
 #include <cuda/std/cstdint>
 
 #include "common/error.cuh"
+#include "common/numeric.cuh"
 #include "common/sync.cuh"
 #include "mla/config.cuh"
 #include "mla/params.cuh"
@@ -49,25 +49,6 @@ __device__ __forceinline__ void copy_chunk_async(uint32_t dst, const uint8_t* sr
 
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
-__device__ __forceinline__ uint4 load_shared(uint32_t src) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void store_shared(uint32_t dst, uint4 v) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-
-// Two e4m3 values (a 16-bit word) -> fp16x2 (exact).
-__device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
-    uint32_t h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(two_fp8)));
-    return h;
 }
 
 __device__ __forceinline__ uint32_t fp16x2_mul(uint32_t a, uint32_t b) {
