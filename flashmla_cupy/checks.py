@@ -223,6 +223,7 @@ class MLAInputs:
     tile_scheduler_metadata: cupy.ndarray
     num_splits: cupy.ndarray
     k_scale: cupy.ndarray | None             # the FP8 cache's scale; None: a 16-bit cache
+    q_scale: cupy.ndarray | None             # an e4m3 q's scale (FP8 cache only); None: q in 16 bits
     batch: int
     s_q: int
     h_q: int
@@ -231,17 +232,21 @@ class MLAInputs:
     causal: bool
     num_sm_parts: int
     # layout facts the kernels' host side needs, kept when the arrays are dropped
-    dtype: np.dtype | None = None
+    dtype: np.dtype | None = None             # out's (and the kernels' 16-bit) dtype: q's, bf16 for an e4m3 q
+    q_dtype: np.dtype | None = None
     q_strides: tuple | None = None            # bytes
     k_cache_shape: tuple | None = None
     k_cache_strides: tuple | None = None      # bytes
     block_table_stride: int | None = None     # elements
     block_table_columns: int | None = None
     fp8_cache: bool = False
+    fp8_q: bool = False
 
     def __post_init__(self):
         if self.q is not None:
-            self.dtype = self.q.dtype
+            self.q_dtype = self.q.dtype
+            self.fp8_q = self.q_scale is not None
+            self.dtype = bfloat16() if self.fp8_q else self.q.dtype
             self.q_strides = tuple(self.q.strides)
             self.k_cache_shape, self.k_cache_strides = tuple(self.k_cache.shape), tuple(self.k_cache.strides)
             self.block_table_stride = self.block_table.strides[0] // self.block_table.itemsize
@@ -258,9 +263,9 @@ class MLAInputs:
 
 
 def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-               num_splits, softmax_scale, causal, k_scale=None) -> MLAInputs:
+               num_splits, softmax_scale, causal, k_scale=None, q_scale=None) -> MLAInputs:
     """Checked arguments of flash_mla_with_kvcache (the device must be a Hopper GPU); ``k_scale``
-    given: the dense FP8 cache (e4m3 values, bf16 q)."""
+    given: the dense FP8 cache (e4m3 values), with bf16 q or, ``q_scale`` given, e4m3 q."""
     q = as_device_array(q, "q")
     k_cache = as_device_array(k_cache, "k_cache")
     block_table = as_device_array(block_table, "block_table")
@@ -271,7 +276,16 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     fp8 = k_scale is not None
     if fp8:
         k_scale = fp8_scale(k_scale, "k_scale")
-        require_dtype(q, "q (with the FP8 cache)", [bfloat16()])
+        if q_scale is None:
+            if q.dtype.name in quant.BYTE_DTYPES:
+                raise ValueError(f"q holds e4m3 values ({q.dtype.name}): pass its dequantization scale as q_scale "
+                                 f"(a float32 GPU array of one element)")
+            require_dtype(q, "q (with the FP8 cache; or e4m3 values with q_scale)", [bfloat16()])
+        else:
+            q_scale = fp8_scale(q_scale, "q_scale")
+            if q.dtype.name not in quant.BYTE_DTYPES:
+                raise TypeError(f"q must hold e4m3 values (uint8, int8 or float8_e4m3fn) with q_scale; got "
+                                f"{q.dtype.name} (a bf16 q takes no q_scale)")
         require_fp8_cache(k_cache, "the FP8 cache's e4m3 values")
     else:
         require_dtype(q, "q", [bfloat16(), np.float16])
@@ -352,7 +366,7 @@ def mla_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedule
     causal = require_bool(causal, "causal")
 
     return MLAInputs(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, k_scale,
-                     batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
+                     q_scale, batch, s_q, h_q, h_kv, scale, causal and s_q > 1, parts)
 
 
 def output_array(x, name: str, shape: tuple, dtype) -> cupy.ndarray:

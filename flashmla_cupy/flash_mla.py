@@ -165,7 +165,7 @@ def _new_workspace(torch, q, k_cache, tile_scheduler_metadata, sparse: bool) -> 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int, tile_scheduler_metadata,
                            num_splits, softmax_scale: float | None = None, causal: bool = False,
                            is_fp8_kvcache: bool = False, indices=None, attn_sink=None, topk_length=None, *,
-                           k_scale=None):
+                           k_scale=None, q_scale=None):
     """Paged MLA decoding attention on torch tensors (FlashMLA's ``flash_mla_with_kvcache``).
 
     Args:
@@ -186,9 +186,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         k_scale: with ``is_fp8_kvcache=True`` and no indices, the dense FP8 cache (torch.uint8 or
             int8 ``[num_blocks, page_block_size, 1, 576]`` of e4m3 codes, q bf16): its
             torch.float32 one-element scale on the GPU (vLLM's ``k_scale``).
+        q_scale: with k_scale, q may hold e4m3 values (torch.float8_e4m3fn, uint8 or int8):
+            its torch.float32 one-element scale on the GPU; out is then torch.bfloat16.
 
     Returns:
-        ``(out, softmax_lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype and torch.float32
+        ``(out, softmax_lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype (bf16 for an e4m3 q) and torch.float32
         ``[batch, h_q, s_q]`` (natural log), new tensors on q's device, computed on torch's
         current stream. Argument errors raise as ``flashmla_cupy.flash_mla_with_kvcache``'s do;
         a bad value in cache_seqlens or block_table gives NaN rows for its request and a
@@ -200,7 +202,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         raise ValueError(f"q must be 4-D [batch, s_q, h_q, 576]; got {q.dim()}-D shape {tuple(q.shape)}")
     stream = _raw_stream(index)
     batch, s_q, h_q, _ = q.shape
-    out = q.new_empty((batch, s_q, h_q, HEAD_DIM_V))
+    out = q.new_empty((batch, s_q, h_q, HEAD_DIM_V), dtype=torch.bfloat16 if q.element_size() == 1 else q.dtype)
     lse = q.new_empty((batch, h_q, s_q), dtype=torch.float32)
     previous = _get_device()
     if previous != index:
@@ -209,7 +211,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         workspace = _workspace(torch, q, k_cache, tile_scheduler_metadata, indices is not None, index, stream)
         return mla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                           num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
-                                          topk_length, k_scale=k_scale, out=out, lse=lse, workspace=workspace,
+                                          topk_length, k_scale=k_scale, q_scale=q_scale, out=out, lse=lse,
+                                          workspace=workspace,
                                           stream=stream)
     finally:
         if previous != index:

@@ -89,6 +89,8 @@ def numpy_dtype_of_torch(dtype) -> np.dtype | None:
     if name == "bfloat16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
+    if name == "float8_e4m3fn":         # FP8 caches and q: the kernels read their bytes
+        return np.dtype(np.uint8)
     return np.dtype(name) if name in _TORCH_DTYPE_NAMES else None
 
 

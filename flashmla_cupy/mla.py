@@ -15,7 +15,7 @@ from collections import OrderedDict
 import cupy
 import numpy as np
 
-from . import checks, errors, interop, launch, programs, scheduler, sparse
+from . import checks, errors, interop, launch, programs, quant, scheduler, sparse
 from .constants import FIXED_OVERHEAD_BLOCKS, BLOCK_N, SCHED_META_INTS
 from .params import MetadataParams
 from .plan import CallPlan, LaunchPlan, MLAWorkspace, layout_key
@@ -145,9 +145,12 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             (``quant.quantize_fp8_per_tensor`` builds it); pages of any power-of-two size.
         k_scale: float32 GPU array of one element (shape () or (1,)), read by the kernel (so it
             may change between calls, and CUDA graphs replay its current value).
-        q: bf16; out bf16. Inside, Q, K, V and P are fp16 (e4m3 values are exact in it; q is
-            exact for 2^-14 <= |q| < 65504, rounded to fp16's subnormals below).
-        q_scale: an FP8 q is not supported yet (a ValueError says so).
+        q: bf16, or float8_e4m3 values (uint8 / int8 / float8_e4m3fn) with ``q_scale``; out bf16.
+            Inside, Q, K, V and P are fp16 (e4m3 values are exact in it; a bf16 q is exact for
+            2^-14 <= |q| < 65504, rounded to fp16's subnormals below); QK^T is an fp16 WGMMA
+            for either q (``quant.quantize_fp8_per_tensor`` builds an e4m3 q too).
+        q_scale: float32 GPU array of one element, an e4m3 q's dequantization scale (Q = value *
+            q_scale), read by the kernel like k_scale; required with an e4m3 q, refused otherwise.
 
     Sparse decoding (DeepSeek-V3.2; ``indices`` given, FlashMLA's semantics):
         is_fp8_kvcache: must be True: k_cache is ``[num_blocks, page_block_size, 1, 656]`` bytes
@@ -177,9 +180,6 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     """
     stream_ptr = cupy.cuda.get_current_stream().ptr if stream is None else interop.stream_handle(stream)
     device_id = cupy.cuda.runtime.getDevice()
-    if q_scale is not None:
-        raise ValueError("q_scale: an FP8 q is not supported yet; pass q in bf16 (with the FP8 cache: "
-                         "is_fp8_kvcache=True, k_scale=...)")
     if indices is None:
         if attn_sink is not None or topk_length is not None:
             raise ValueError("attn_sink and topk_length are for sparse decoding (pass indices)")
@@ -190,14 +190,16 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             if k_scale is None:
                 raise ValueError("k_scale is required with the FP8 cache (is_fp8_kvcache=True): a float32 GPU "
                                  "array of one element, the cache's dequantization scale")
-            arrays, names = arrays + (k_scale,), _DENSE_FP8_ARRAYS
-        elif k_scale is not None:
-            raise ValueError("k_scale is for the FP8 cache: pass is_fp8_kvcache=True")
+            arrays, names = arrays + (k_scale, q_scale), _DENSE_FP8_ARRAYS
+        elif k_scale is not None or q_scale is not None:
+            raise ValueError(f"{'k_scale' if k_scale is not None else 'q_scale'} is for the dense FP8 cache: pass "
+                             f"is_fp8_kvcache=True (and k_scale)")
         else:
             names = _DENSE_ARRAYS
     else:
-        if k_scale is not None:
-            raise ValueError("k_scale is for the dense FP8 cache; the sparse cache carries its own scales")
+        if k_scale is not None or q_scale is not None:
+            raise ValueError(f"{'k_scale' if k_scale is not None else 'q_scale'} is for dense decoding over the FP8 "
+                             f"cache; sparse decoding takes a bf16 q and its cache carries its own scales")
         arrays = (q, k_cache, indices, tile_scheduler_metadata, num_splits, topk_length, attn_sink)
         names = _SPARSE_ARRAYS
     layout = layout_key(arrays)
@@ -219,9 +221,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
 
 
 _DENSE_ARRAYS = ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")
-_DENSE_FP8_ARRAYS = _DENSE_ARRAYS + ("k_scale",)
+_DENSE_FP8_ARRAYS = _DENSE_ARRAYS + ("k_scale", "q_scale")
 _SPARSE_ARRAYS = ("q", "k_cache", "indices", "tile_scheduler_metadata", "num_splits", "topk_length", "attn_sink")
-_OPTIONAL_ARRAYS = ("topk_length", "attn_sink")
+_OPTIONAL_ARRAYS = ("topk_length", "attn_sink", "q_scale")
 
 
 def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = False, alloc=None) -> MLAWorkspace:
@@ -238,12 +240,13 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = Fal
     checks.require_ndim(k_cache, "k_cache", 4, "[num_blocks, page_block_size, h_kv, 576]")
     checks.require_ndim(meta, "tile_scheduler_metadata", 2, "[num_sm_parts, 8]")
     batch, s_q, h_q, _ = q.shape
+    dtype = checks.bfloat16() if q.dtype.name in quant.BYTE_DTYPES else q.dtype     # out's: bf16 for an e4m3 q
     if sparse:
-        return MLAWorkspace(batch * s_q, 1, h_q, 1, meta.shape[0], q.dtype, alloc=alloc)
+        return MLAWorkspace(batch * s_q, 1, h_q, 1, meta.shape[0], dtype, alloc=alloc)
     h_kv = k_cache.shape[2]
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"k_cache's heads (axis 2) must divide q's heads ({h_q}); got {h_kv}")
-    return MLAWorkspace(batch, s_q, h_q, h_kv, meta.shape[0], q.dtype, alloc=alloc)
+    return MLAWorkspace(batch, s_q, h_q, h_kv, meta.shape[0], dtype, alloc=alloc)
 
 
 _MAX_PLANS = 16
@@ -254,7 +257,7 @@ _plans_lock = threading.Lock()
 def _new_plan(key, stream_ptr, arrays, sparse_call, head_dim_v, softmax_scale, causal, is_fp8_kvcache) -> LaunchPlan:
     """Check every argument (the first call with a layout), then keep its plan."""
     family = "cupy" if type(arrays[0]) is cupy.ndarray else "torch"
-    if not sparse_call:      # (k_scale: the FP8 cache)
+    if not sparse_call:      # (k_scale, q_scale: the FP8 cache)
         a = checks.mla_inputs(*arrays[:4], head_dim_v, *arrays[4:6], softmax_scale, causal, *arrays[6:])
         plan = CallPlan(a, stream_ptr, family)
     else:

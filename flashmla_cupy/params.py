@@ -35,6 +35,7 @@ class SplitKVParams(ctypes.Structure):
         ("attn_sink", ctypes.c_uint64),
         ("cache", ctypes.c_uint64),
         ("kv_scale", ctypes.c_uint64),
+        ("q_scale", ctypes.c_uint64),
         ("block_table_stride", ctypes.c_int64),
         ("max_blocks_per_seq", ctypes.c_int32),
         ("num_blocks", ctypes.c_int32),

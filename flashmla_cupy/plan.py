@@ -21,7 +21,7 @@ import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
 from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_STAGED_ROW_BYTES, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS,
-                        SPLITKV_THREADS)
+                        SPLITKV_THREADS, TMA_BOX)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -110,8 +110,9 @@ class MLAWorkspace:
             self._q_rows_ptr = interop.data_pointer(self._q_rows_memory)
         return self._q_rows_ptr
 
-    def view(self, name: str) -> cupy.ndarray:
-        """A CuPy view of a buffer: ``lse_accum``, ``o_accum``, ``o_rows`` or ``q_rows``."""
+    def view(self, name: str, q_dtype=None) -> cupy.ndarray:
+        """A CuPy view of a buffer: ``lse_accum``, ``o_accum``, ``o_rows`` or ``q_rows`` (in
+        ``q_dtype`` if given: an e4m3 q's bytes)."""
         splits, rows = self.total_splits, self.q_rows
         if name == "lse_accum":
             shape, dtype, ptr = (splits, self.h_kv, rows), np.float32, self.lse_accum_ptr
@@ -120,7 +121,7 @@ class MLAWorkspace:
         elif name == "o_rows" and self.h_kv > 1:
             shape, dtype, ptr = (self.batch, rows, self.h_kv, HEAD_DIM_V), self.dtype, self.o_rows_ptr
         elif name == "q_rows":
-            shape, dtype, ptr = (self.batch, rows, self.h_kv, HEAD_DIM_K), self.dtype, self.q_rows_ptr()
+            shape, dtype, ptr = (self.batch, rows, self.h_kv, HEAD_DIM_K), q_dtype or self.dtype, self.q_rows_ptr()
         else:
             raise ValueError(f"no workspace buffer {name!r}")
         return interop.device_view_of(ptr, shape, dtype, self, self.device_id)
@@ -146,8 +147,10 @@ class LaunchPlan:
 
     workspace_call = "get_mla_workspace(q, k_cache, tile_scheduler_metadata)"
 
-    def __init__(self, stream_ptr: int, family: str, dtype, out_shape, lse_shape, workspace_signature, maps):
+    def __init__(self, stream_ptr: int, family: str, dtype, out_shape, lse_shape, workspace_signature, maps,
+                 q_dtype=None):
         self.dtype = dtype
+        self.q_dtype = dtype if q_dtype is None else q_dtype
         self.family = family                  # "cupy" or "torch": the arrays of this layout
         self.device_id = cupy.cuda.runtime.getDevice()
         self.stream_ptr = stream_ptr
@@ -163,7 +166,9 @@ class LaunchPlan:
                                interop.torch_dtype(np.dtype(np.float32)))
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
-        # (field offset, shape, byte strides, box rows, e4m3 bytes: a byte map without swizzle, last address)
+        # (field offset, shape, byte strides, box rows, byte box columns, last address); byte box
+        # columns 0: a map of the plan's 16-bit dtype, 64 columns, 128-byte swizzle; else a byte
+        # map of e4m3 values without swizzle, boxes this many bytes wide
         self._maps = [list(m) + [None] for m in maps]
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
@@ -227,9 +232,9 @@ class LaunchPlan:
         """Q into the workspace as [batch][s_q * heads_per_kv][h_kv][576], where the kernel cannot
         read it in place; returns its address."""
         a = self.inputs
-        src = interop.device_view_of(q_ptr, (a.batch, a.s_q, a.h_q, HEAD_DIM_K), self.dtype, q, self.device_id,
+        src = interop.device_view_of(q_ptr, (a.batch, a.s_q, a.h_q, HEAD_DIM_K), self.q_dtype, q, self.device_id,
                                      strides=a.q_strides)
-        dst = ws.view("q_rows")
+        dst = ws.view("q_rows", self.q_dtype)
         with interop.on_stream(self.stream_ptr):
             dst.reshape(a.batch, a.s_q, a.heads_per_kv, a.h_kv, HEAD_DIM_K)[...] = \
                 src.reshape(a.batch, a.s_q, a.h_kv, a.heads_per_kv, HEAD_DIM_K).transpose(0, 1, 3, 2, 4)
@@ -239,9 +244,9 @@ class LaunchPlan:
         """Re-encode a tensor map only when its array's address changed."""
         entry = self._maps[index]
         if entry[5] != address:
-            if entry[4]:        # the dense FP8 cache, staged in boxes of 128-byte rows (fp8_expand.cuh)
-                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3],
-                                     box_cols=FP8_STAGED_ROW_BYTES, swizzle_128b=False)
+            if entry[4]:
+                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3], box_cols=entry[4],
+                                     swizzle_128b=False)
             else:
                 raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
             ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
@@ -249,7 +254,7 @@ class LaunchPlan:
 
 
 # The dense FP8 cache's pointer fields: the dense ones and theirs (indices .. attn_sink unused).
-FP8_SPLITKV_POINTERS = SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink", "cache", "kv_scale")
+FP8_SPLITKV_POINTERS = SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink", "cache", "kv_scale", "q_scale")
 
 
 class CallPlan(LaunchPlan):
@@ -265,18 +270,19 @@ class CallPlan(LaunchPlan):
         # copied into the workspace as [batch][q_rows][h_kv][576].
         s_b, s_s, s_h, _ = a.q_strides
         self.q_in_place = a.h_kv == 1 and (a.s_q == 1 or s_s == a.h_q * s_h) and s_b % 16 == 0 and s_h % 16 == 0
-        esize = a.dtype.itemsize
+        esize = a.q_dtype.itemsize
         if self.q_in_place:
             q_map = ((a.batch, a.q_rows, 1, HEAD_DIM_K), (s_b, s_h, s_h * a.q_rows, esize), BLOCK_M)
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
-        maps = [(SplitKVParams.tma_q.offset, *q_map, False)]
-        # a box is one piece of a page (kernel); the FP8 cache's rows: 128 e4m3 bytes
+        # an e4m3 q: staged as 64-byte rows of each tile (fp8_expand.cuh)
+        maps = [(SplitKVParams.tma_q.offset, *q_map, TMA_BOX if a.fp8_q else 0)]
+        # a box is one piece of a page (kernel); the FP8 cache's staged rows: 128 e4m3 bytes
         maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
-                     a.fp8_cache))
+                     FP8_STAGED_ROW_BYTES if a.fp8_cache else 0))
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
-                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), maps)
+                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), maps, q_dtype=a.q_dtype)
 
     def _prepare_launches(self) -> None:
         """Load (compiling on first use) the kernels and prebuild both launches."""
@@ -313,7 +319,8 @@ class CallPlan(LaunchPlan):
 
     def run(self, pointers, q, out, lse, workspace):
         """Launch both kernels for arrays of this plan's layout at ``pointers`` (q, k_cache,
-        block_table, cache_seqlens, metadata, num_splits[, k_scale]); ``q`` is only read for a copy."""
+        block_table, cache_seqlens, metadata, num_splits[, k_scale, q_scale or 0]); ``q`` is only read
+        for a copy."""
         a = self.inputs
         out, out_ptr, lse, lse_ptr, ws = self._begin_run(out, lse, workspace)
         q_ptr, k_ptr, table_ptr, seqlens_ptr, meta_ptr, splits_ptr = pointers[:6]
@@ -328,7 +335,7 @@ class CallPlan(LaunchPlan):
             self._update_map(1, k_ptr)
             if a.fp8_cache:
                 struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-                                 lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr, 0, 0, 0, k_ptr, pointers[6])
+                                 lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr, 0, 0, 0, k_ptr, *pointers[6:8])
             else:
                 struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
                                  lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr)

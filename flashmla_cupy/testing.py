@@ -6,7 +6,8 @@ tokens past a request's length) is NaN, and block-table columns past a request's
 garbage ids, so a kernel that reads anything it should not produces NaN or a fault.
 
 The dtype "fp8" is the dense FP8 cache: bf16 q, e4m3 codes (NaN codes in the unreadable slots)
-with the scale ``FP8_SCALE`` in ``MLACase.k_scale``.
+with the scale ``FP8_SCALE`` in ``MLACase.k_scale``; "fp8q" is that cache with an e4m3 q (scale
+``FP8_Q_SCALE`` in ``MLACase.q_scale``). Both give bf16 outputs.
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ PAGE = 64             # FlashMLA's page block size: the cases' default
 D_K = 576
 D_V = 512
 
-DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
+DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 FP8_SCALE = 0.0371      # the FP8 cases' k_scale: not a power of two; N(0, 1) values saturate past 16.6
+FP8_Q_SCALE = 0.0157    # "fp8q" cases' q_scale: not a power of two; N(0, 1) q saturates past 7.0
+FP8_CASES = ("fp8", "fp8q")
 
 
 def q_dtype(dtype: str) -> str:
-    """q's dtype for a case dtype ("fp8": the FP8 cache, with bf16 q)."""
-    return "bf16" if dtype == "fp8" else dtype
+    """q's dtype for a case dtype ("fp8": the FP8 cache, with bf16 q; "fp8q": e4m3 q)."""
+    return {"fp8": "bf16", "fp8q": "e4m3"}.get(dtype, dtype)
 
 
 @dataclass
@@ -44,17 +47,27 @@ class MLACase:
     h_q: int
     h_kv: int
     k_scale: cupy.ndarray | None = None    # the FP8 cache's scale (k_cache: e4m3 codes); None: 16-bit
+    q_scale: cupy.ndarray | None = None    # an e4m3 q's scale (q: e4m3 codes); None: q in 16 bits
 
     def to_host(self) -> "MLACase":
         """The same case with NumPy copies of the arrays (for a reference computed on the CPU)."""
         return dataclasses.replace(self, q=cupy.asnumpy(self.q), k_cache=cupy.asnumpy(self.k_cache),
                                    block_table=cupy.asnumpy(self.block_table),
                                    cache_seqlens=cupy.asnumpy(self.cache_seqlens),
-                                   k_scale=None if self.k_scale is None else cupy.asnumpy(self.k_scale))
+                                   k_scale=None if self.k_scale is None else cupy.asnumpy(self.k_scale),
+                                   q_scale=None if self.q_scale is None else cupy.asnumpy(self.q_scale))
 
     def cache_kwargs(self) -> dict:
-        """The keywords of ``flash_mla_with_kvcache`` that describe the cache's format."""
-        return {} if self.k_scale is None else {"is_fp8_kvcache": True, "k_scale": self.k_scale}
+        """The keywords of ``flash_mla_with_kvcache`` that describe the cache's (and q's) format."""
+        if self.k_scale is None:
+            return {}
+        kwargs = {"is_fp8_kvcache": True, "k_scale": self.k_scale}
+        return kwargs if self.q_scale is None else {**kwargs, "q_scale": self.q_scale}
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """out's dtype: q's, bf16 for an e4m3 q."""
+        return DTYPES["bf16"] if self.q_scale is not None else self.q.dtype
 
     @property
     def page_size(self) -> int:
@@ -66,7 +79,8 @@ class MLACase:
 
     def describe(self) -> str:
         b = len(self.seqlens)
-        dtype = self.q.dtype if self.k_scale is None else f"{self.q.dtype}, fp8 cache"
+        dtype = self.q.dtype if self.k_scale is None else \
+            f"{'e4m3' if self.q_scale is not None else self.q.dtype} q, fp8 cache"
         return (f"b={b} s_q={self.s_q} h_q={self.h_q} h_kv={self.h_kv} page={self.page_size} dtype={dtype} "
                 f"seqlens[:8]={self.seqlens[:8].tolist()}")
 
@@ -96,8 +110,13 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
         valid_tokens[ids[start:start + n]] = np.clip(seqlens[i] - page_size * np.arange(n), 0, page_size)
         start += n
 
-    q = _random(rng, (batch, s_q, h_q, D_K), q_dtype(dtype))
-    fp8 = dtype == "fp8"
+    q_scale = None
+    if dtype == "fp8q":
+        q, _ = quant.quantize_fp8_per_tensor(_random(rng, (batch, s_q, h_q, D_K), "fp32"), scale=FP8_Q_SCALE)
+        q_scale = cupy.full((), FP8_Q_SCALE, dtype=np.float32)
+    else:
+        q = _random(rng, (batch, s_q, h_q, D_K), q_dtype(dtype))
+    fp8 = dtype in FP8_CASES
     k_cache = cupy.empty((num_blocks, page_size, h_kv, D_K), dtype=np.uint8 if fp8 else DTYPES[dtype])
     valid = cupy.asarray(valid_tokens)
     chunk = max(1, (1 << 27) // (page_size * h_kv * D_K))    # ~0.5 GB of float32 at a time
@@ -112,7 +131,7 @@ def make_inputs(rng: np.random.Generator, seqlens, s_q: int, h_q: int, h_kv: int
         else:
             k_cache[lo:hi] = cupy.where(unreadable, np.float32(np.nan), block).astype(DTYPES[dtype])
     k_scale = cupy.full((), FP8_SCALE, dtype=np.float32) if fp8 else None
-    return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv, k_scale)
+    return MLACase(q, k_cache, cupy.asarray(table), cupy.asarray(seqlens), seqlens, s_q, h_q, h_kv, k_scale, q_scale)
 
 
 def _random(rng: np.random.Generator, shape, dtype: str) -> cupy.ndarray:
@@ -129,7 +148,7 @@ def poisoned(shape, dtype) -> cupy.ndarray:
 # fp16: 11 bits of mantissa); lse is computed in fp32 from fp32 scores. The FP8 cache: P is fp16
 # (K, V and Q are exact in fp16 against the dequantized reference) but O is bf16, whose rounding
 # dominates: bf16's bound.
-OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3), "fp8": (1e-2, 1e-2)}
+OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3), "fp8": (1e-2, 1e-2), "fp8q": (1e-2, 1e-2)}
 LSE_TOL = (1e-3, 1e-5)
 
 
@@ -137,7 +156,7 @@ def run_kernel(inp: MLACase, causal: bool, softmax_scale=None):
     """get_mla_metadata + flash_mla_with_kvcache into NaN-poisoned outputs."""
     metadata, num_splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, inp.s_q * inp.h_q // inp.h_kv, inp.h_kv)
     b = len(inp.seqlens)
-    out = poisoned((b, inp.s_q, inp.h_q, 512), inp.q.dtype)
+    out = poisoned((b, inp.s_q, inp.h_q, 512), inp.out_dtype)
     lse = poisoned((b, inp.h_q, inp.s_q), np.float32)
     res = flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                                metadata, num_splits, softmax_scale=softmax_scale,
@@ -154,7 +173,8 @@ def check_against_reference(inp: MLACase, out, lse, causal: bool, dtype: str, so
     """
     xp = cupy.get_array_module(out)
     ref_out, ref_lse = reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                            softmax_scale=softmax_scale, causal=causal, k_scale=inp.k_scale)
+                                            softmax_scale=softmax_scale, causal=causal, k_scale=inp.k_scale,
+                                            q_scale=inp.q_scale)
     out64 = reference.to_float64(out)
     lse64 = lse.astype(np.float64)
     what = inp.describe() + f" causal={causal}"
@@ -262,7 +282,7 @@ def apply_bad_value(inp: MLACase, bad: BadValue, value: int | None = None) -> No
 def finite_outputs(inp: MLACase):
     """``out`` and ``lse`` for ``inp``, full of a finite value (``SENTINEL``)."""
     b = len(inp.seqlens)
-    out = cupy.full((b, inp.s_q, inp.h_q, D_V), SENTINEL, dtype=np.float32).astype(inp.q.dtype)
+    out = cupy.full((b, inp.s_q, inp.h_q, D_V), SENTINEL, dtype=np.float32).astype(inp.out_dtype)
     return out, cupy.full((b, inp.h_q, inp.s_q), SENTINEL, dtype=np.float32)
 
 

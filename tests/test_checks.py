@@ -746,15 +746,28 @@ def fp8_args(arrays, **change) -> dict:
 FP8_CASES = [  # (id, change, error, message)
     ("no-k_scale", dict(k_scale=None), ValueError, r"^k_scale is required with the FP8 cache \(is_fp8_kvcache=True\)"),
     ("k_scale-without-fp8", dict(is_fp8_kvcache=False), ValueError,
-     r"^k_scale is for the FP8 cache: pass is_fp8_kvcache=True"),
+     r"^k_scale is for the dense FP8 cache: pass is_fp8_kvcache=True \(and k_scale\)"),
+    ("q_scale-without-fp8", dict(is_fp8_kvcache=False, k_scale=None, q_scale=lambda a: a.empty((), F32)), ValueError,
+     r"^q_scale is for the dense FP8 cache: pass is_fp8_kvcache=True \(and k_scale\)"),
     ("k_scale-dtype", dict(k_scale=lambda a: a.empty((1,), F16)), TypeError, r"^k_scale must have dtype float32; got float16"),
     ("k_scale-shape", dict(k_scale=lambda a: a.empty((2,), F32)), ValueError,
      r"^k_scale must hold one float32 \(shape \(\) or \(1,\)\); got shape \(2,\)"),
     ("k_scale-host", dict(k_scale=np.ones((), F32)), TypeError, r"^k_scale must be a GPU array"),
-    ("q_scale", dict(q_scale=lambda a: a.empty((), F32)), ValueError, r"^q_scale: an FP8 q is not supported yet"),
+    ("q_scale-with-bf16-q", dict(q_scale=lambda a: a.empty((), F32)), TypeError,
+     r"^q must hold e4m3 values \(uint8, int8 or float8_e4m3fn\) with q_scale; got bfloat16"),
+    ("e4m3-q-without-q_scale", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8)), ValueError,
+     r"^q holds e4m3 values \(uint8\): pass its dequantization scale as q_scale"),
+    ("q_scale-dtype", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8), q_scale=lambda a: a.empty((), F16)),
+     TypeError, r"^q_scale must have dtype float32; got float16"),
+    ("q_scale-shape", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8), q_scale=lambda a: a.empty((1, 1), F32)),
+     ValueError, r"^q_scale must hold one float32 \(shape \(\) or \(1,\)\); got shape \(1, 1\)"),
+    ("q_scale-host", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8), q_scale=np.ones((), F32)), TypeError,
+     r"^q_scale must be a GPU array"),
+    ("e4m3-q-misaligned", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8, offset=8),
+                               q_scale=lambda a: a.empty((), F32)), ValueError, r"^q must start on a 16-byte boundary"),
     ("is_fp8_kvcache-str", dict(is_fp8_kvcache="yes"), TypeError, r"^is_fp8_kvcache must be a bool"),
     ("q-fp16", dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), F16)), TypeError,
-     r"^q \(with the FP8 cache\) must have dtype bfloat16; got float16"),
+     r"^q \(with the FP8 cache; or e4m3 values with q_scale\) must have dtype bfloat16; got float16"),
     ("cache-bf16", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 1, 576), BF16)), TypeError,
      r"^k_cache must hold the FP8 cache's e4m3 values \(uint8, int8 or float8_e4m3fn\); got bfloat16"),
     ("cache-h_kv-2", dict(k_cache=lambda a: a.empty((NUM_BLOCKS, 64, 2, 576), np.uint8)), ValueError,
@@ -769,7 +782,10 @@ FP8_CASES = [  # (id, change, error, message)
      r"^k_cache must start on a 16-byte boundary"),
     ("sink", dict(attn_sink=lambda a: a.empty((H_Q,), F32)), ValueError, r"^attn_sink and topk_length are for sparse"),
     ("indices-with-k_scale", dict(indices=lambda a: a.empty((B, S_Q, 64), I32)), ValueError,
-     r"^k_scale is for the dense FP8 cache; the sparse cache carries its own scales"),
+     r"^k_scale is for dense decoding over the FP8 cache; sparse decoding takes a bf16 q"),
+    ("indices-with-q_scale", dict(indices=lambda a: a.empty((B, S_Q, 64), I32), k_scale=None,
+                                  q_scale=lambda a: a.empty((), F32)), ValueError,
+     r"^q_scale is for dense decoding over the FP8 cache; sparse decoding takes a bf16 q"),
 ]
 
 
@@ -780,17 +796,20 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
     assert fake_gpu.launches == []
 
 
+@pytest.mark.parametrize("e4m3_q", [False, True])
 @pytest.mark.parametrize("page", [1, 64, 256])
-def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monkeypatch):
+def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, fake_gpu, monkeypatch):
     # FP8_CASES differ from these arguments in one argument only. The cache's bytes are staged
     # by TMA (a byte map without swizzle, boxes of one piece's rows of 128 bytes); k_scale's address
-    # goes to the kernel.
+    # goes to the kernel. An e4m3 q: its bytes staged by a byte map too (rows of one tile's 64
+    # bytes), q_scale's address in the kernel's parameters (else 0), out bf16.
     from flashmla_cupy import tma
 
     maps = []
     monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: maps.append((args, kwargs)) or bytes(128))
     a = fake_gpu.arrays
-    args = fp8_args(a, k_cache=lambda a: a.empty((NUM_BLOCKS, page, 1, 576), np.uint8))
+    q_change = dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8), q_scale=lambda a: a.empty((1,), F32))
+    args = fp8_args(a, k_cache=lambda a: a.empty((NUM_BLOCKS, page, 1, 576), np.uint8), **(q_change if e4m3_q else {}))
     out, lse = a.empty((B, S_Q, H_Q, 512), BF16), a.empty((B, H_Q, S_Q), F32)
     parts = args["tile_scheduler_metadata"].shape[0]
     ws = mla.MLAWorkspace(B, S_Q, H_Q, 1, parts, BF16, alloc=lambda n: a.empty((n,), np.uint8))
@@ -800,8 +819,16 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, fake_gpu, monk
     assert (p.cache, p.kv_scale, p.block_table, p.seqlens) == tuple(
         args[k].data.ptr for k in ("k_cache", "k_scale", "block_table", "cache_seqlens"))
     assert (p.indices, p.topk_length, p.attn_sink) == (0, 0, 0)
+    assert p.q_scale == (args["q_scale"].data.ptr if e4m3_q else 0)
     assert (p.page_block_size, p.page_shift, p.cache_block_stride) == (page, page.bit_length() - 1, page * 576)
     assert splitkv.block[0] == 384 and "cluster_x" not in splitkv.options
+    (q_address, q_dtype, q_shape, q_strides), q_kwargs = maps[-2]
+    assert (q_address, q_shape) == (args["q"].data.ptr, (B, S_Q * H_Q, 1, 576))
+    if e4m3_q:
+        assert np.dtype(q_dtype) == np.uint8 and q_strides == (S_Q * H_Q * 576, 576, S_Q * H_Q * 576, 1)
+        assert q_kwargs == {"box_rows": 64, "box_cols": 64, "swizzle_128b": False}
+    else:
+        assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64}
     (address, dtype, shape, strides), kwargs = maps[-1]
     assert (address, np.dtype(dtype), shape) == (args["k_cache"].data.ptr, np.uint8, (NUM_BLOCKS, page, 1, 576))
     assert kwargs == {"box_rows": min(page, 64), "box_cols": 128, "swizzle_128b": False}

@@ -195,26 +195,31 @@ def test_sparse_decoding_from_torch_matches_the_cupy_call():
 
 
 @pytest.mark.hopper
-def test_dense_fp8_cache_from_torch_matches_the_cupy_call():
-    """The dense FP8 cache through the drop-in (a uint8 cache of e4m3 codes, vLLM's k_scale): the
-    same bytes as the CuPy call, which tests/test_fp8.py checks against the reference."""
+@pytest.mark.parametrize("dtype", ["fp8", "fp8q"])
+def test_dense_fp8_cache_from_torch_matches_the_cupy_call(dtype):
+    """The dense FP8 cache through the drop-in (a uint8 cache of e4m3 codes, vLLM's k_scale; q
+    bf16, or torch.float8_e4m3fn with q_scale): the same bytes as the CuPy call, which
+    tests/test_fp8.py checks against the reference."""
     torch = _torch_with_cuda()
     import cupy
 
     import flashmla_cupy
     from flashmla_cupy import flash_mla, testing
 
-    inp = testing.make_inputs(np.random.default_rng(4), [0, 100, 700], 2, 64, 1, "fp8", page_size=16)
+    inp = testing.make_inputs(np.random.default_rng(4), [0, 100, 700], 2, 64, 1, dtype, page_size=16)
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 2 * 64, 1)
     c_out, c_lse = flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                                         meta, splits, causal=True, **inp.cache_kwargs())
     t = {name: torch.from_numpy(cupy.asnumpy(x)).cuda() for name, x in (
         ("cache", inp.k_cache), ("table", inp.block_table), ("seqlens", inp.cache_seqlens),
-        ("scale", inp.k_scale.reshape(1)), ("q", inp.q.view(np.int16)))}
+        ("scale", inp.k_scale.reshape(1)), ("q", inp.q.view(np.uint8 if dtype == "fp8q" else np.int16)))}
+    if dtype == "fp8q":
+        q, scales = t["q"].view(torch.float8_e4m3fn), {"q_scale": torch.full((1,), testing.FP8_Q_SCALE).cuda()}
+    else:
+        q, scales = t["q"].view(torch.bfloat16), {}
     t_meta, t_splits = flash_mla.get_mla_metadata(t["seqlens"], 2 * 64, 1)
-    out, lse = flash_mla.flash_mla_with_kvcache(t["q"].view(torch.bfloat16), t["cache"],
-                                                t["table"], t["seqlens"], 512, t_meta, t_splits, causal=True,
-                                                is_fp8_kvcache=True, k_scale=t["scale"])
+    out, lse = flash_mla.flash_mla_with_kvcache(q, t["cache"], t["table"], t["seqlens"], 512, t_meta, t_splits,
+                                                causal=True, is_fp8_kvcache=True, k_scale=t["scale"], **scales)
     torch.cuda.synchronize()
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert np.array_equal(out.view(torch.int16).cpu().numpy(), cupy.asnumpy(c_out).view(np.int16))
@@ -256,14 +261,15 @@ def test_signatures_are_flashmlas():
 
     empty = inspect.Parameter.empty
     # FlashMLA's, with the sparse (DeepSeek-V3.2) arguments of its later releases, and the dense
-    # FP8 cache's scale (keyword only, vLLM's name)
+    # FP8 cache's and an e4m3 q's scales (keyword only, vLLM's names)
     assert described(flash_mla.get_mla_metadata) == [
         ("cache_seqlens", empty), ("num_heads_per_head_k", empty), ("num_heads_k", empty), ("num_heads_q", None),
         ("is_fp8_kvcache", False), ("topk", None)]
     assert described(flash_mla.flash_mla_with_kvcache) == [
         ("q", empty), ("k_cache", empty), ("block_table", empty), ("cache_seqlens", empty), ("head_dim_v", empty),
         ("tile_scheduler_metadata", empty), ("num_splits", empty), ("softmax_scale", None), ("causal", False),
-        ("is_fp8_kvcache", False), ("indices", None), ("attn_sink", None), ("topk_length", None), ("k_scale", None)]
+        ("is_fp8_kvcache", False), ("indices", None), ("attn_sink", None), ("topk_length", None), ("k_scale", None),
+        ("q_scale", None)]
 
 
 def test_tensors_off_the_gpu_are_refused():

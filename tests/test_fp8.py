@@ -2,8 +2,9 @@
 a Hopper GPU.
 
 The cases are ``testing.make_inputs(..., "fp8")``: bf16 q, e4m3 codes with a per-tensor scale
-(not a power of two), NaN codes in every slot no request may read, permuted block tables. The
-reference is the float64 one on the dequantized cache (codes times k_scale, exact), with
+(not a power of two), NaN codes in every slot no request may read, permuted block tables; and
+``"fp8q"``: the same cache with an e4m3 q and its own scale (q_scale). The reference is the
+float64 one on the dequantized inputs (codes times their scale, exact), with
 ``check_against_reference``'s criteria: cos_diff < 1e-5 on out and lse, and per element
 |err| <= 1e-2 + 1e-2 |ref| for out (bf16 output rounding dominates: Q, K and V are exact in the
 kernel's fp16, P is fp16), lse within 1e-3 + 1e-5 |ref|. Also with the FP8 cache: bad lengths
@@ -36,6 +37,18 @@ def test_seed_grid(mean_sk, h_q, s_q, varlen):
     check_against_reference(inp, out, lse, True, "fp8")
 
 
+# An e4m3 q: a corner of each class of the grid (its own staging and expansion of Q, per request).
+E4M3_Q_GRID = list(itertools.product([4096, 16384], [16, 128], [1, 2]))
+
+
+@pytest.mark.parametrize("mean_sk,h_q,s_q", E4M3_Q_GRID, ids=[f"sk{a}-hq{b}-sq{c}-var" for a, b, c in E4M3_Q_GRID])
+def test_seed_grid_with_e4m3_q(mean_sk, h_q, s_q):
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 128, mean_sk, s_q, True), s_q, h_q, 1, "fp8q")
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, "fp8q")
+
+
 PAGE_GRID = list(itertools.product([1, 2, 16, 32, 128, 256], [16, 128], [1, 2]))
 
 
@@ -52,18 +65,31 @@ def test_seed_grid_at_page_size(page, h_q, s_q):
 SMALL = list(itertools.product([1, 7], [1, 63, 64, 65, 1000], [(1, 1), (16, 2), (64, 3), (128, 1), (32, 8)]))
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "fp8q"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("b,seqlen,heads", SMALL, ids=[f"b{a}-sk{b}-hq{c[0]}-sq{c[1]}" for a, b, c in SMALL])
-def test_small_shapes(b, seqlen, heads, causal):
+def test_small_shapes(b, seqlen, heads, causal, dtype):
     rng = np.random.default_rng()
     h_q, s_q = heads
     seqlens = np.maximum(seqlen - rng.integers(0, 3, b) * (seqlen // 3), 1)
     if b > 2:
         seqlens[rng.integers(b)] = 0
     page = int(rng.choice([1, 16, 64, 256]))
-    inp = make_inputs(rng, seqlens, s_q, h_q, 1, "fp8", page_size=page)
+    inp = make_inputs(rng, seqlens, s_q, h_q, 1, dtype, page_size=page)
     out, lse = run_kernel(inp, causal)
-    check_against_reference(inp, out, lse, causal, "fp8")
+    check_against_reference(inp, out, lse, causal, dtype)
+
+
+@pytest.mark.parametrize("h_q,s_q", [(16, 2), (128, 2)])
+def test_e4m3_q_strided_across_heads(h_q, s_q):
+    """An e4m3 q whose heads are not evenly strided rows (a [b, h_q, s_q, 576] buffer
+    transposed): the call copies it into the workspace as bytes, then stages it as in place."""
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, rng.integers(1, 3000, 9), s_q, h_q, 1, "fp8q", page_size=16)
+    inp.q = cupy.ascontiguousarray(inp.q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert not inp.q.flags.c_contiguous
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, "fp8q")
 
 
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 2)])
@@ -77,38 +103,44 @@ def test_long_and_skewed_batch(h_q, s_q):
     check_against_reference(inp, out, lse, True, "fp8")
 
 
-# --- k_scale is read by the kernel: a new value in place, eager and in a CUDA graph ---------------
+# --- the scales are read by the kernel: new values in place, eager and in a CUDA graph ------------
 
-def test_k_scale_is_read_on_the_device_by_eager_calls_and_graph_replays():
+@pytest.mark.parametrize("dtype", ["fp8", "fp8q"])
+def test_scales_are_read_on_the_device_by_eager_calls_and_graph_replays(dtype):
     rng = np.random.default_rng()
-    inp = make_inputs(rng, rng.integers(1, 5000, 9), 2, 64, 1, "fp8")
+    inp = make_inputs(rng, rng.integers(1, 5000, 9), 2, 64, 1, dtype)
     meta, splits = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, 2 * 64, 1)
-    out, lse = poisoned((9, 2, 64, 512), inp.q.dtype), poisoned((9, 64, 2), np.float32)
+    out, lse = poisoned((9, 2, 64, 512), inp.out_dtype), poisoned((9, 64, 2), np.float32)
     ws = flashmla_cupy.get_mla_workspace(inp.q, inp.k_cache, meta)
     stream = cupy.cuda.Stream(non_blocking=True)
     stream.wait_event(cupy.cuda.get_current_stream().record())
 
     def call():
         return flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                                    meta, splits, causal=True, is_fp8_kvcache=True,
-                                                    k_scale=inp.k_scale, out=out, lse=lse, workspace=ws,
-                                                    stream=stream)
+                                                    meta, splits, causal=True, out=out, lse=lse, workspace=ws,
+                                                    stream=stream, **inp.cache_kwargs())
+
+    def rescale(k_scale, q_scale):
+        with stream:
+            inp.k_scale.fill(np.float32(k_scale))
+            if inp.q_scale is not None:
+                inp.q_scale.fill(np.float32(q_scale))
 
     call()
     stream.synchronize()
-    check_against_reference(inp, out, lse, True, "fp8")
-    with stream:
-        inp.k_scale.fill(np.float32(0.011))                    # eager: the next call reads it
+    check_against_reference(inp, out, lse, True, dtype)
+    rescale(0.011, 0.04)                                       # eager: the next call reads them
     call()
     stream.synchronize()
-    check_against_reference(inp, out, lse, True, "fp8")
+    check_against_reference(inp, out, lse, True, dtype)
 
     with stream:                                               # the plan of this stream is warm
         stream.begin_capture()
         call()
         graph = stream.end_capture()
-        inp.k_scale.fill(np.float32(0.05))                     # a replay reads the new value
+    rescale(0.05, 0.003)                                       # a replay reads the new values
+    with stream:
         out.fill(np.nan)
         graph.launch(stream)
     stream.synchronize()
-    check_against_reference(inp, out, lse, True, "fp8")
+    check_against_reference(inp, out, lse, True, dtype)

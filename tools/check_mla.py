@@ -1,6 +1,6 @@
 """Run MLA decoding on a list of shapes and compare each with the float64 reference.
 
-    python tools/check_mla.py [--set quick|sanitizer|bad-values] [--dtype bf16|fp16|fp8|both] [--host-reference]
+    python tools/check_mla.py [--set quick|sanitizer|bad-values] [--dtype bf16|fp16|fp8|fp8q|both] [--host-reference]
 
 One line per shape (max errors, cos_diff; the tests' criteria, flashmla_cupy.testing); exit
 status 1 if any shape fails. Small enough to run under compute-sanitizer (tools/sanitize.sh uses
@@ -16,8 +16,8 @@ of another batch (garbage num_splits and part ranges): reported where the kernel
 a correct call afterwards is right. Under compute-sanitizer memcheck this shows that no bad
 value makes a kernel touch memory outside its arrays.
 
-``--dtype fp8``: the dense FP8 cache (bf16 q; ``testing.make_inputs(..., "fp8")``); shapes and
-batches with several KV heads are skipped (that cache has one). ``both`` is bf16 and fp16.
+``--dtype fp8``: the dense FP8 cache (bf16 q; ``testing.make_inputs(..., "fp8")``), ``fp8q``: that
+cache with an e4m3 q; shapes and batches with several KV heads are skipped (that cache has one). ``both`` is bf16 and fp16.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy.testing import (FOREIGN_METADATA, PAGE, SCHEDULE_ERROR, BadValue, apply_bad_value, bad_values,
-                                   check_against_reference, check_bad_value_result, finite_outputs, make_inputs,
-                                   run_kernel)
+from flashmla_cupy.testing import (FOREIGN_METADATA, FP8_CASES, PAGE, SCHEDULE_ERROR, BadValue, apply_bad_value,
+                                   bad_values, check_against_reference, check_bad_value_result, finite_outputs,
+                                   make_inputs, run_kernel)
 
 # (seqlens, s_q, h_q, h_kv, causal[, page block size, default 64])
 SHAPES = {
@@ -114,7 +114,7 @@ def check_error(raised: str | None, start: str, value: int) -> None:
 
 def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_reference: bool, page_size=PAGE):
     """One (ok, label, message) per bad value of ``request``."""
-    if dtype == "fp8" and h_kv > 1:
+    if dtype in FP8_CASES and h_kv > 1:
         return []                                   # the FP8 cache has one KV head
     results = []
     base = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype, page_size=page_size)
@@ -216,7 +216,7 @@ def check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, host_reference: bool, pag
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", choices=sorted([*SHAPES, "bad-values"]), default="quick")
-    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp8", "both"], default="both")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", *FP8_CASES, "both"], default="both")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--range", default=":", help="START:STOP, a slice of the set's shapes (e.g. 0:11)")
     ap.add_argument("--host-reference", action="store_true",
@@ -236,7 +236,7 @@ def main() -> int:
                     print(f"{'ok  ' if ok else 'FAIL'} {label:<70} {msg}", flush=True)
             continue
         for seqlens, s_q, h_q, h_kv, causal, *page in SHAPES[args.set][start:stop]:
-            if dtype == "fp8" and h_kv > 1:
+            if dtype in FP8_CASES and h_kv > 1:
                 continue                            # the FP8 cache has one KV head
             page_size = page[0] if page else PAGE
             ok, msg = check(seqlens, s_q, h_q, h_kv, causal, dtype, rng, args.host_reference, page_size)

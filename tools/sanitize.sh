@@ -24,7 +24,7 @@
 # Environment:
 #   PYTHON               interpreter with cupy and flashmla_cupy's dependencies (default python3)
 #   COMPUTE_SANITIZER    the binary (default: on PATH, else $CUDA_HOME/bin, /usr/local/cuda/bin)
-#   SANITIZE_DTYPE       bf16 | fp16 | fp8 | both (default both: bf16 and fp16); one dtype halves each tool's time
+#   SANITIZE_DTYPE       bf16 | fp16 | fp8 | fp8q | both (default both: bf16 and fp16); one dtype halves each tool's time
 #   SANITIZE_SEED        check_mla's seed (default 1): every tool sees the same inputs
 #   SANITIZE_KERNELS     auto | ours | all: which kernels the tools check (default auto, below)
 #   SANITIZE_POOL        off | keep: CuPy's memory pool (default off, below)

@@ -35,6 +35,47 @@ __device__ __forceinline__ constexpr uint32_t staged_box_offset(int box) {
     return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp8TileBytes;
 }
 
+// 16 e4m3 values, values 16 part .. 16 part + 15 of row `row`, as fp16 into the tile at `tile`
+// (64 rows x 64 fp16 values, 128-byte swizzle): two 16-byte chunks of the swizzled row.
+__device__ __forceinline__ void store_e4m3_chunk_as_fp16(uint32_t tile, int row, int part, uint4 raw) {
+    const uint32_t dst = tile + row * 128;
+    store_shared(dst + (((2 * part) ^ (row % 8)) * 16),
+                 make_uint4(e4m3x2_to_fp16x2(raw.x & 0xffffu), e4m3x2_to_fp16x2(raw.x >> 16),
+                            e4m3x2_to_fp16x2(raw.y & 0xffffu), e4m3x2_to_fp16x2(raw.y >> 16)));
+    store_shared(dst + (((2 * part + 1) ^ (row % 8)) * 16),
+                 make_uint4(e4m3x2_to_fp16x2(raw.z & 0xffffu), e4m3x2_to_fp16x2(raw.z >> 16),
+                            e4m3x2_to_fp16x2(raw.w & 0xffffu), e4m3x2_to_fp16x2(raw.w >> 16)));
+}
+
+// An e4m3 q (dense FP8 cache, q_scale): TMA stages Q's 9 tiles as 64 rows x 64 bytes,
+// unswizzled, in the upper half of Q's space (kQStagedOffset + 4 KB t); the consumers expand
+// them in place into Q's fp16 tiles (8 KB t). Tile t's values cover the staged bytes of tiles
+// 2t - 9 and 2t - 8 only, so tiles 0-3 (over no staged bytes) are written at once and tiles
+// 4-8 after every consumer has read all its bytes. `tid`: the consumer thread (0-255), which
+// converts the 16-byte chunk `tid` of every tile.
+constexpr uint32_t kQStagedTileBytes = 64 * kTileCols;
+constexpr uint32_t kQStagedOffset = kTilesK * (kFp8TileBytes - kQStagedTileBytes);
+
+template <typename T>
+__device__ __forceinline__ void expand_staged_q(typename T::SharedStorage& st, int tid) {
+    static_assert(T::kConsumerThreads * 16 == kQStagedTileBytes, "a chunk of each tile per consumer thread");
+    const uint32_t q = smem_u32(st.q), staged = q + kQStagedOffset + tid * 16;
+    const int row = tid / 4, part = tid % 4;
+    constexpr int kEarly = 4;
+    uint4 raw[kTilesK - kEarly];
+    CUTE_UNROLL
+    for (int t = 0; t < kEarly; ++t) raw[t] = load_shared(staged + t * kQStagedTileBytes);
+    CUTE_UNROLL
+    for (int t = 0; t < kEarly; ++t) store_e4m3_chunk_as_fp16(q + t * kFp8TileBytes, row, part, raw[t]);
+    CUTE_UNROLL
+    for (int t = kEarly; t < kTilesK; ++t) raw[t - kEarly] = load_shared(staged + t * kQStagedTileBytes);
+    consumer_sync<T>();
+    CUTE_UNROLL
+    for (int t = kEarly; t < kTilesK; ++t) store_e4m3_chunk_as_fp16(q + t * kFp8TileBytes, row, part, raw[t - kEarly]);
+    fence_smem_for_async_proxy();                   // the WGMMAs read Q
+    consumer_sync<T>();
+}
+
 template <typename T>
 struct Fp8Expander {
     static constexpr int kExpandBarrier = 9;        // the expander's own named barrier (WgBarrier: 1-8)
@@ -57,20 +98,13 @@ struct Fp8Expander {
         }
     }
 
-    // Each chunk becomes two 16-byte fp16 chunks of the swizzled row; then the tile's barrier.
+    // Each chunk becomes fp16 in the tile; then the tile's barrier.
     __device__ __forceinline__ void write(int buf, int tile, const uint4 (&raw)[2]) const {
-        const uint32_t page = smem_u32(st.kv[buf]);
+        const uint32_t dst = smem_u32(st.kv[buf]) + tile * kFp8TileBytes;
         CUTE_UNROLL
         for (int k = 0; k < 2; ++k) {
-            const int c = idx + 128 * k, row = c / 4, part = c % 4;
-            const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-            const uint32_t dst = page + tile * kFp8TileBytes + row * 128;
-            store_shared(dst + (((2 * part) ^ (row % 8)) * 16),
-                         make_uint4(e4m3x2_to_fp16x2(w[0] & 0xffffu), e4m3x2_to_fp16x2(w[0] >> 16),
-                                    e4m3x2_to_fp16x2(w[1] & 0xffffu), e4m3x2_to_fp16x2(w[1] >> 16)));
-            store_shared(dst + (((2 * part + 1) ^ (row % 8)) * 16),
-                         make_uint4(e4m3x2_to_fp16x2(w[2] & 0xffffu), e4m3x2_to_fp16x2(w[2] >> 16),
-                                    e4m3x2_to_fp16x2(w[3] & 0xffffu), e4m3x2_to_fp16x2(w[3] >> 16)));
+            const int c = idx + 128 * k;
+            store_e4m3_chunk_as_fp16(dst, c / 4, c % 4, raw[k]);
         }
         fence_smem_for_async_proxy();               // the consumers' WGMMAs read these stores
         __syncwarp();

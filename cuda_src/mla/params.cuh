@@ -12,7 +12,7 @@ namespace flashmla {
 
 // Split-KV kernel. Query rows are (MTP token, head-in-group) pairs: row = s * heads_per_kv + h.
 struct SplitKVParams {
-    TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64
+    TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64 (an e4m3 q: bytes, unswizzled)
     TensorMap tma_kv;             // KV cache as [num_blocks][page_block_size][h_kv][576], box min(page_block_size, 64) x 64
     const int* block_table;       // [batch][block_table_stride]
     const int* seqlens;           // [batch]
@@ -28,6 +28,7 @@ struct SplitKVParams {
     const float* attn_sink;       // sparse: [h_q] or null
     const uint8_t* cache;         // FP8 caches: the cache's bytes (sparse: kFp8TokenBytes per token, dense: kHeadDimK)
     const float* kv_scale;        // dense FP8 cache: its dequantization scale (one float)
+    const float* q_scale;         // dense FP8 cache: an e4m3 q's dequantization scale (one float), or null: bf16 q
     int64_t block_table_stride;
     int max_blocks_per_seq;       // block_table's columns: seqlens must be <= page_block_size * this
     int num_blocks;               // k_cache's blocks: block ids must be in [0, num_blocks)

@@ -180,7 +180,7 @@ struct SplitKVCta {
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
     // FP8 caches: Q, loaded as bf16, becomes fp16 in place (one pass per request); the sparse
-    // cache's RoPE tile stays bf16.
+    // cache's RoPE tile stays bf16. (An e4m3 q: expand_staged_q.)
     __device__ __forceinline__ void q_to_fp16() const {
         uint4* chunks = reinterpret_cast<uint4*>(st.q);
         constexpr int kChunks = (T::kSparse ? kTilesV : kTilesK) * kTileElems * 2 / 16;
@@ -198,8 +198,20 @@ struct SplitKVCta {
         consumer_sync<T>();
     }
 
-    // Issued by one thread: all of Q for `req` (9 tiles) on bar_q.
+    // Issued by one thread: all of Q for `req` (9 tiles) on bar_q. (Dense FP8 cache with an
+    // e4m3 q, p.q_scale set: its bytes, staged for expand_staged_q.)
     __device__ __forceinline__ void load_q(int req) const {
+        if constexpr (T::kCache == KVCache::kFp8) {
+            if (p.q_scale != nullptr) {
+                mbarrier_arrive_expect_tx(bar_q, kTilesK * kQStagedTileBytes);
+                CUTE_UNROLL
+                for (int t = 0; t < kTilesK; ++t) {
+                    tma_load_4d(&p.tma_q, bar_q, smem_u32(st.q) + kQStagedOffset + t * kQStagedTileBytes,
+                                t * kTileCols, m_block * kBlockM, kv_head, req, L2Hint::kEvictFirst);
+                }
+                return;
+            }
+        }
         mbarrier_arrive_expect_tx(bar_q, kTilesK * kTileBytes);
         CUTE_UNROLL
         for (int t = 0; t < kTilesK; ++t) {
@@ -433,8 +445,11 @@ struct SplitKVCta {
         if constexpr (T::kSeesaw) {
             if (wg == 0 && loads_piece()) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
         }
-        // The FP8 caches' scale multiplies the scores (here) and O (output_factors).
-        const float scale_log2 = T::kCache == KVCache::kFp8 ? p.scale_log2 * *p.kv_scale : p.scale_log2;
+        // The FP8 caches' scale multiplies the scores (here) and O (output_factors); an e4m3 q's, the scores.
+        float scale_log2 = p.scale_log2;
+        if constexpr (T::kCache == KVCache::kFp8) {
+            scale_log2 *= *p.kv_scale * (p.q_scale != nullptr ? *p.q_scale : 1.0f);
+        }
         fp8_scale_log2 = scale_log2;
 
         #pragma unroll 1
@@ -463,7 +478,15 @@ struct SplitKVCta {
             if (T::kSeesaw && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
             mbarrier_wait(bar_q, (req - begin_req) & 1);   // Q's phase from the count: one register less
-            if constexpr (T::kProducer) q_to_fp16();
+            if constexpr (T::kCache == KVCache::kFp8) {
+                if (p.q_scale != nullptr) {
+                    expand_staged_q<T>(st, threadIdx.x);
+                } else {
+                    q_to_fp16();
+                }
+            } else if constexpr (T::kProducer) {
+                q_to_fp16();
+            }
             if constexpr (T::kSparse) {
                 if constexpr (kRole == 0) {
                     float row_max[2] = {kRowMaxInit, kRowMaxInit};
