@@ -16,7 +16,7 @@ import argparse
 import re
 import sys
 
-from .profiler.shapes import FP8_CACHE
+from .profiler.shapes import FP8_CACHE, FP8_Q, q_dtypes
 
 SUBCOMMANDS = ("profile", "compile", "info")
 PROFILE_KINDS = ("mla", "sparse", "attention")     # `flashmla-cupy KIND` = `flashmla-cupy profile KIND`
@@ -29,6 +29,7 @@ examples:
   flashmla-cupy profile --quick --value-checks off                   the default call without value checks
   flashmla-cupy profile --quick --page-size 1,16,64,256 --check      each shape at four KV-cache page sizes
   flashmla-cupy profile --quick --dtype fp8 --check                  the dense FP8 cache (576 B/token), bf16 q
+  flashmla-cupy profile --quick --dtype fp8 --q-dtype fp8 --check    the same cache read by an e4m3 q
   flashmla-cupy profile sparse --quick --check   DeepSeek-V3.2 sparse FP8 decoding, two production rows
   flashmla-cupy profile attention            the minimal FlashAttention kernel against manual attention
   flashmla-cupy compile --arch sm_90a        build every kernel without a GPU
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "bandwidth and matmul ceilings measured in the same run. MLA: what is timed is the call "
                     "users make (default arguments, value checks in their current mode) on CuPy arrays, or on "
                     "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it; "
-                    "--dtype fp8 times it over the dense FP8 cache. "
+                    "--dtype fp8 times it over the dense FP8 cache (--q-dtype fp8: with an e4m3 q). "
                     "Sparse: the same call with indices over the FP8 cache; on an H200, FlashMLA's times from "
                     "another run stand beside it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or N 64 and 1024 for attention")
     g.add_argument("--dtype", choices=("bf16", "fp16", FP8_CACHE), default="bf16",
                    help="MLA: q and KV-cache dtype (default bf16); fp8 = the dense FP8 cache (e4m3 codes, one "
-                        "float32 k_scale, 576 B/token) with bf16 q and out: h_kv 1, CuPy inputs, the baselines n/a "
-                        "(FlashMLA has no dense FP8 decoding on Hopper). Not for sparse")
+                        "float32 k_scale, 576 B/token) with bf16 out and bf16 q (or e4m3: --q-dtype): h_kv 1, the "
+                        "baselines n/a (FlashMLA has no dense FP8 decoding on Hopper). Not for sparse")
+    g.add_argument("--q-dtype", dest="q_dtype", choices=("bf16", "fp16", FP8_Q),
+                   help="MLA: q's dtype, the cache's by default; only --dtype fp8 takes another: fp8 = e4m3 codes "
+                        "with one float32 q_scale (1 B/element; out stays bf16). Sparse: bf16 only")
     g.add_argument("--batch", type=_int_list, metavar="B[,B...]",
                    help="batch sizes (default: 128; attention: 16)")
     g.add_argument("--seqlens", type=_int_list, metavar="S[,S...]",
@@ -240,11 +244,11 @@ def _mla_shapes(args):
     page_sizes = args.page_sizes or (shp.PAGE_BLOCK,)
     if args.quick:
         return shp.quick_grid(page_sizes=page_sizes, h_kv=args.h_kv, causal=causal, dtype=args.dtype,
-                              seed=args.seed)
+                              q_dtype=args.q_dtype, seed=args.seed)
     varlens = {"on": (True,), "off": (False,), "both": (False, True)}[args.varlen]
     return shp.mla_grid(args.batch or shp.SEED_BATCHES, args.seqlens or shp.SEED_SEQLENS,
                         args.heads or shp.SEED_HEADS, args.s_q or shp.SEED_S_Q, varlens, page_sizes=page_sizes,
-                        h_kv=args.h_kv, causal=causal, dtype=args.dtype, seed=args.seed)
+                        h_kv=args.h_kv, causal=causal, dtype=args.dtype, q_dtype=args.q_dtype, seed=args.seed)
 
 
 def _sparse_shapes(args):
@@ -282,9 +286,11 @@ def _mla_refusal(args) -> str | None:
     if args.dtype == FP8_CACHE and args.h_kv != 1:
         return (f"--dtype fp8 takes --h-kv 1 only: the FP8 cache kernel reads one latent KV head; "
                 f"got --h-kv {args.h_kv}")
-    if args.dtype == FP8_CACHE and args.inputs != "cupy":
-        return (f"--inputs {args.inputs} is not available with --dtype fp8: the profiler's torch target does not "
-                "pass the FP8 cache's k_scale; use --inputs cupy")
+    allowed = q_dtypes(args.dtype)
+    if args.q_dtype not in (None, *allowed):
+        return (f"--q-dtype {args.q_dtype} is not available with --dtype {args.dtype}, whose q is "
+                f"{' or '.join(allowed)}: q's dtype is a 16-bit cache's own, and an e4m3 q (fp8) reads the dense "
+                "FP8 cache only")
     return None
 
 
@@ -293,6 +299,9 @@ def _sparse_refusal(args) -> str | None:
     if args.dtype == FP8_CACHE:
         return ("--dtype fp8 is not available for sparse: sparse decoding always reads DeepSeek-V3.2's own FP8 "
                 "cache (656 B/token, a scale per 128 values); --dtype fp8 is the dense FP8 cache of profile mla")
+    if args.q_dtype not in (None, "bf16"):
+        return (f"--q-dtype {args.q_dtype} is not available for sparse: sparse decoding reads bf16 q "
+                "(an e4m3 q, fp8, reads the dense FP8 cache of profile mla)")
     if args.baseline != "none":
         return (f"--baseline {args.baseline} is not available for sparse: there is no plain CuPy sparse decoding, "
                 "and FlashMLA's sparse kernel is not built here (on an H200, its times from another run stand "
@@ -385,7 +394,8 @@ def cmd_profile(args) -> int:
 
 def _table_title(kind: str, shape) -> str:
     if kind == "mla":
-        dtype = "q bf16, FP8 cache (576 B/token, one scale)" if shape.dtype == FP8_CACHE else shape.dtype
+        q = "e4m3" if shape.q_dtype == FP8_Q else shape.q_dtype
+        dtype = f"q {q}, FP8 cache (576 B/token, one scale)" if shape.dtype == FP8_CACHE else shape.dtype
         return f"MLA decoding, {dtype}, {'causal' if shape.causal else 'non-causal'}, h_kv {shape.h_kv}"
     if kind == "sparse":
         return "DeepSeek-V3.2 sparse decoding: q bf16, FP8 cache (656 B/token), attention sink"

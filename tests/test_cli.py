@@ -81,6 +81,31 @@ def test_dtype_fp8_reaches_the_grid():
     assert parse(["profile"]).dtype == "bf16"
 
 
+def test_q_dtype_reaches_the_grid():
+    """--q-dtype sets q's dtype in every shape; without it q's is the cache's (bf16 over the FP8 one)."""
+    from flashmla_cupy.profiler import shapes
+
+    parse = cli.build_parser().parse_args
+    for argv, q_dtype in ((["--dtype", "fp8", "--q-dtype", "fp8"], "fp8"), (["--dtype", "fp8"], "bf16"),
+                          (["--dtype", "fp8", "--q-dtype", "bf16"], "bf16"), (["--dtype", "fp16"], "fp16"),
+                          (["--dtype", "fp16", "--q-dtype", "fp16"], "fp16")):
+        quick = cli._mla_shapes(parse(["profile", "--quick", *argv]))
+        assert quick == shapes.quick_grid(dtype=argv[1], q_dtype=q_dtype)
+        assert {s.q_dtype for s in quick} == {q_dtype}
+    grid = cli._mla_shapes(parse(["profile", "--seqlens", "512", "--heads", "16", "--dtype", "fp8",
+                                  "--q-dtype", "fp8"]))
+    assert len(grid) == 4 and {(s.dtype, s.q_dtype) for s in grid} == {("fp8", "fp8")}
+    assert parse(["profile"]).q_dtype is None
+
+
+@pytest.mark.parametrize("q_dtype", ["e4m3", "fp32", "FP8"])
+def test_q_dtype_rejects_what_the_kernels_do_not_take(capsys, q_dtype):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["profile", "--dtype", "fp8", "--q-dtype", q_dtype])
+    assert excinfo.value.code == 2
+    assert "argument --q-dtype: invalid choice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "e4m3", "FP8"])
 def test_dtype_rejects_what_the_kernels_do_not_take(capsys, dtype):
     with pytest.raises(SystemExit) as excinfo:

@@ -69,8 +69,8 @@ def test_runs_for_budget():
 # Cost model and bound
 # --------------------------------------------------------------------------------------------
 
-def _fixed(b, s, h_q, s_q, h_kv=1, dtype="bf16"):
-    return shapes.MLAShape(b, s, h_q, s_q, False, (s,) * b, h_kv=h_kv, dtype=dtype)
+def _fixed(b, s, h_q, s_q, h_kv=1, dtype="bf16", q_dtype=None):
+    return shapes.MLAShape(b, s, h_q, s_q, False, (s,) * b, h_kv=h_kv, dtype=dtype, q_dtype=q_dtype)
 
 
 def test_flops_and_bytes_by_hand():
@@ -100,7 +100,41 @@ def test_fp8_cache_is_counted_at_one_byte_an_element():
     assert shapes.mla_bytes(fp8) == 576 * 128 * 4096 + q_and_out == 306_446_336
     assert shapes.mla_bytes(bf16) == 1152 * 128 * 4096 + q_and_out == 608_436_224
     assert shapes.mla_flops(fp8) == shapes.mla_flops(bf16)
-    assert [shapes.q_dtype(d) for d in ("bf16", "fp16", "fp8")] == ["bf16", "fp16", "bf16"]
+    assert [s.q_dtype for s in (bf16, fp8, one_more_token["fp16"])] == ["bf16", "bf16", "fp16"]
+
+
+def test_e4m3_q_is_counted_at_one_byte_an_element():
+    """An e4m3 q over the FP8 cache: q read at 1 byte an element, out still written in bf16 (2
+    bytes), the cache still 576 bytes a token; the FLOPs do not change."""
+    bf16_q, e4m3_q = _fixed(128, 4096, 16, 2, dtype="fp8"), _fixed(128, 4096, 16, 2, dtype="fp8", q_dtype="fp8")
+    q_elements = 128 * 2 * 16 * 576
+    assert shapes.mla_bytes(bf16_q) - shapes.mla_bytes(e4m3_q) == q_elements
+    assert shapes.mla_bytes(e4m3_q) == 576 * 128 * 4096 + 1 * q_elements + 2 * 128 * 2 * 16 * 512 == 308_543_488
+    one_more_token = dataclasses.replace(e4m3_q, seqlens=(4097,) + (4096,) * 127)
+    assert shapes.mla_bytes(one_more_token) - shapes.mla_bytes(e4m3_q) == 576
+    assert shapes.mla_flops(e4m3_q) == shapes.mla_flops(bf16_q)
+
+
+def test_q_dtype_is_the_caches_unless_the_fp8_cache_is_read_by_an_e4m3_q():
+    """q's dtype is a field of the shape: by default the 16-bit cache's own, bf16 over the FP8
+    cache; an e4m3 q ("fp8") reads the FP8 cache only. It is in every row (``as_dict``)."""
+    assert [shapes.q_dtypes(d) for d in ("bf16", "fp16", "fp8")] == [("bf16",), ("fp16",), ("bf16", "fp8")]
+    assert [shapes.out_dtype(d) for d in ("bf16", "fp16", "fp8")] == ["bf16", "fp16", "bf16"]
+    assert [_fixed(2, 64, 16, 1, dtype=d).q_dtype for d in ("bf16", "fp16", "fp8")] == ["bf16", "fp16", "bf16"]
+    e4m3_q = _fixed(2, 64, 16, 1, dtype="fp8", q_dtype="fp8")
+    assert e4m3_q.as_dict()["q_dtype"] == "fp8" and e4m3_q.as_dict()["dtype"] == "fp8"
+    assert e4m3_q != _fixed(2, 64, 16, 1, dtype="fp8") and _fixed(2, 64, 16, 1, dtype="fp8", q_dtype="bf16") == \
+        _fixed(2, 64, 16, 1, dtype="fp8")
+    for dtype, q in (("bf16", "fp8"), ("fp16", "bf16"), ("bf16", "fp16"), ("fp8", "fp16")):
+        with pytest.raises(ValueError, match=f"q_dtype '{q}' does not read a {dtype} cache"):
+            _fixed(2, 64, 16, 1, dtype=dtype, q_dtype=q)
+    grid = shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), dtype="fp8", q_dtype="fp8")
+    assert len(grid) == 4 and {(s.dtype, s.q_dtype) for s in grid} == {("fp8", "fp8")}
+    assert [s.seqlens for s in grid] == [s.seqlens for s in shapes.mla_grid(batches=(2,), seqlens=(100,),
+                                                                            heads=(16,), dtype="fp8")]
+    assert {s.q_dtype for s in shapes.quick_grid(dtype="fp8", q_dtype="fp8")} == {"fp8"}
+    with pytest.raises(ValueError, match="does not read a bf16 cache"):
+        shapes.quick_grid(q_dtype="fp8")
 
 
 @pytest.mark.parametrize("row", [
@@ -342,24 +376,51 @@ def test_fp8_inputs_on_numpy():
     assert (again.k_cache == inp.k_cache).all()
 
 
-def test_the_default_call_over_the_fp8_cache_gets_its_scale(monkeypatch):
-    """What is timed is the call users make: over the FP8 cache with is_fp8_kvcache and k_scale, over
-    a 16-bit cache with neither."""
+def test_e4m3_q_inputs_on_numpy():
+    """An e4m3 q: uint8 codes of the same random values the bf16 q holds, at the fixed q_scale (a
+    float32 0-d array); the FP8 cache as with bf16 q; --check reads the codes with q_scale."""
+    bf16_q = shapes.MLAShape(3, 100, 4, 2, True, (70, 130, 2), dtype="fp8")
+    shape = dataclasses.replace(bf16_q, q_dtype="fp8")
+    inp = inputs.make_mla_inputs(shape, seed=5, xp=np)
+    bf16_inp = inputs.make_mla_inputs(bf16_q, seed=5, xp=np)
+    assert bf16_inp.q_scale is None and bf16_inp.format_kwargs().keys() == {"is_fp8_kvcache", "k_scale"}
+    assert inp.q.shape == (3, 2, 4, 576) and inp.q.dtype == np.uint8
+    assert isinstance(inp.q_scale, np.ndarray) and inp.q_scale.dtype == np.float32 and inp.q_scale.shape == ()
+    assert float(inp.q_scale) == np.float32(inputs.FP8_Q_SCALE) != np.float32(inputs.FP8_K_SCALE)
+    assert (inp.k_cache == bf16_inp.k_cache).all() and float(inp.k_scale) == float(bf16_inp.k_scale)
+    q = quant.dequantize_fp8_per_tensor(inp.q, inp.q_scale, np.float64)       # exact: as the reference reads it
+    assert np.isfinite(q).all() and (inp.q != 0).mean() > 0.9                  # random data, not zeros
+    # The same values: e4m3 keeps 3 mantissa bits (half a step: 1/16 relative), bf16 8.
+    assert np.allclose(q, baselines.to_compute(bf16_inp.q), rtol=1 / 16 + 1 / 256, atol=float(inp.q_scale) / 512)
+    assert inp.format_kwargs() == {"is_fp8_kvcache": True, "k_scale": inp.k_scale, "q_scale": inp.q_scale}
+    out, lse = runner._mla_reference(inp)
+    want_out, want_lse = reference.mla_decode(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                              causal=True, k_scale=inp.k_scale)
+    assert np.isfinite(out).all() and (out == want_out).all() and (lse == want_lse).all()
+    again = inputs.make_mla_inputs(shape, seed=5, xp=np)
+    assert (again.q == inp.q).all()
+
+
+@pytest.mark.parametrize("dtype, q_dtype", [("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16")])
+def test_the_default_call_over_the_fp8_cache_gets_its_scales(monkeypatch, dtype, q_dtype):
+    """What is timed is the call users make: over the FP8 cache with is_fp8_kvcache and k_scale (and
+    an e4m3 q's q_scale), over a 16-bit cache with none of them."""
     from flashmla_cupy import mla
 
     calls = []
     monkeypatch.setattr(mla, "get_mla_metadata", lambda seqlens, heads, h_kv: ("metadata", "splits"))
     monkeypatch.setattr(mla, "flash_mla_with_kvcache", lambda *args, **kwargs: calls.append((args, kwargs)))
-    for dtype in ("fp8", "bf16"):
-        shape = shapes.MLAShape(2, 100, 16, 2, False, (100, 100), dtype=dtype)
-        inp = inputs.make_mla_inputs(shape, xp=np)
-        targets.setup_flashmla(inp).run()
-        args, kwargs = calls[-1]
-        assert args[1] is inp.k_cache and args[5:] == ("metadata", "splits")
-        if dtype == "fp8":
-            assert kwargs == {"causal": True, "is_fp8_kvcache": True, "k_scale": inp.k_scale}
-        else:
-            assert kwargs == {"causal": True}
+    shape = shapes.MLAShape(2, 100, 16, 2, False, (100, 100), dtype=dtype, q_dtype=q_dtype)
+    inp = inputs.make_mla_inputs(shape, xp=np)
+    targets.setup_flashmla(inp).run()
+    args, kwargs = calls[-1]
+    assert args[0] is inp.q and args[1] is inp.k_cache and args[5:] == ("metadata", "splits")
+    want = {"causal": True}
+    if dtype == "fp8":
+        want.update(is_fp8_kvcache=True, k_scale=inp.k_scale)
+    if q_dtype == "fp8":
+        want.update(q_scale=inp.q_scale)
+    assert kwargs == want
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,20 +593,26 @@ def test_flash_mla_is_not_applicable_at_other_page_sizes():
     assert "page" not in console.export_text()           # the seed's pages only: the table as it was
 
 
-def test_baselines_are_not_applicable_over_the_fp8_cache():
-    """FlashMLA has no dense FP8 decoding on Hopper and the plain CuPy baseline reads 16-bit caches:
-    over the FP8 cache their rows are n/a with the reason, while the default call runs and checks."""
-    fp8 = shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), s_qs=(1, 2), varlens=(True,), dtype="fp8")
-    for name, why in (("flash_mla", "FlashMLA has no dense FP8 decoding on Hopper (its FP8 cache is the sparse one)"),
-                      ("cupy", "the plain CuPy baseline reads bf16/fp16 caches only")):
+@pytest.mark.parametrize("q_dtype", ["bf16", "fp8"])
+def test_baselines_are_not_applicable_over_the_fp8_cache(q_dtype):
+    """FlashMLA has no dense FP8 decoding on Hopper and the plain CuPy baseline reads 16-bit q and
+    caches: over the FP8 cache, read by bf16 or e4m3 q, their rows are n/a with the reason, while the
+    default call runs and checks."""
+    fp8 = shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), s_qs=(1, 2), varlens=(True,), dtype="fp8",
+                          q_dtype=q_dtype)
+    for name, why in (("flash_mla", ("FlashMLA has no dense FP8 decoding on Hopper (its FP8 cache is the sparse one, "
+                                     "read by bf16 q)")),
+                      ("cupy", "the plain CuPy baseline reads bf16/fp16 q and caches only")):
         assert targets.MLA_TARGETS[name].supports(fp8[0]) == why
-        assert targets.MLA_TARGETS[name].supports(dataclasses.replace(fp8[0], dtype="bf16")) is None
+        bf16 = dataclasses.replace(fp8[0], dtype="bf16", q_dtype="bf16")
+        assert targets.MLA_TARGETS[name].supports(bf16) is None
         config = runner.RunConfig(targets=["flashmla", name], baseline=name, check=True)
         session = FakeSession(config)
         result = runner.run(_numpy_mla_workload(session, dtype="fp8"), fp8, config, gpu={}, session=session)
         assert session.calls == 2
         for r in result.records:
-            assert r["dtype"] == "fp8" and r["bytes"] == shapes.mla_bytes(fp8[r["shape_index"]])
+            assert (r["dtype"], r["q_dtype"]) == ("fp8", q_dtype)
+            assert r["bytes"] == shapes.mla_bytes(fp8[r["shape_index"]])
             if r["name"] == "flashmla":
                 assert r["check_ok"] is True and r["ms_median"] > 0 and "speedup" not in r
             else:
@@ -603,11 +670,13 @@ def test_csv_has_the_seed_columns_first_and_every_number(measured, tmp_path):
         header = next(csv.reader(f))
     assert header[:5] == ["name", "batch", "seqlen", "head", "bw"]
     for col in ("ms_median", "ms_p10", "ms_p90", "tflops", "gbps", "frac_copy_bw", "frac_matmul", "bound",
-                "speedup", "cos_diff_out", "max_abs_lse", "copy_gbps_ceiling", "varlen", "s_q"):
+                "speedup", "cos_diff_out", "max_abs_lse", "copy_gbps_ceiling", "varlen", "s_q", "dtype",
+                "q_dtype"):
         assert col in header, col
     assert "shape_index" not in header and "page_size" in header
+    assert header[header.index("dtype") + 1] == "q_dtype"          # with the shape, not among the extras
     assert len(rows) == 16 and {r["name"] for r in rows} == {"flashmla", "cupy"}
-    assert {r["page_size"] for r in rows} == {"64"}
+    assert {(r["page_size"], r["dtype"], r["q_dtype"]) for r in rows} == {("64", "bf16", "bf16")}
     first = rows[0]
     assert int(first["batch"]) == 2 and int(first["head"]) == 16 and float(first["bw"]) > 0
     assert float(first["copy_gbps_ceiling"]) == ANCHOR_COPY_GBPS
@@ -728,10 +797,13 @@ def _fp16_grid():
                            dtype="fp16")
 
 
-def _reference_call(torch, q, k_cache, block_table, cache_seqlens, head_dim_v, causal):
+def _reference_call(torch, q, k_cache, block_table, cache_seqlens, head_dim_v, causal, **scales):
+    """The float64 reference on host tensors, rounded to the call's output dtypes (out bf16 for an
+    e4m3 q); ``scales``: the FP8 cache's k_scale and an e4m3 q's q_scale, tensors."""
     out, lse = reference.mla_decode(q.numpy(), k_cache.numpy(), block_table.numpy(), cache_seqlens.numpy(),
-                                    head_dim_v, causal=causal)
-    return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).float()
+                                    head_dim_v, causal=causal, **{k: v.numpy() for k, v in scales.items()})
+    out_dtype = torch.bfloat16 if q.element_size() == 1 else q.dtype
+    return torch.from_numpy(out).to(out_dtype), torch.from_numpy(lse).float()
 
 
 def _stand_in_flash_mla(api: str, calls: list):
@@ -865,6 +937,39 @@ def test_torch_inputs_time_the_drop_in_on_views_made_once_per_shape(monkeypatch,
     assert all(r["speedup"] == pytest.approx(10.0) and r["speedup_vs"] == "flash_mla" for r in main)
 
 
+def test_torch_inputs_over_the_fp8_cache_pass_the_scales_as_tensors(monkeypatch, torch_on_cpu):
+    """--inputs torch --dtype fp8 --q-dtype fp8: the drop-in gets is_fp8_kvcache, k_scale and
+    q_scale, the scales as torch tensors viewing the inputs' (DLPack), q as its e4m3 codes; its
+    result checks against the reference."""
+    from flashmla_cupy import flash_mla as drop_in
+
+    torch, streams, dlpack_calls = torch_on_cpu
+    calls = []
+
+    def stand_in(q, k_cache, block_table, cache_seqlens, head_dim_v, metadata, splits, causal=False, *,
+                 is_fp8_kvcache=False, k_scale=None, q_scale=None):
+        calls.append((q.dtype, is_fp8_kvcache, k_scale, q_scale))
+        return _reference_call(torch, q, k_cache, block_table, cache_seqlens, head_dim_v, causal, k_scale=k_scale,
+                               q_scale=q_scale)
+
+    monkeypatch.setattr(drop_in, "get_mla_metadata", lambda seqlens, heads, h_kv: ("metadata", "splits"))
+    monkeypatch.setattr(drop_in, "flash_mla_with_kvcache", stand_in)
+    config = runner.RunConfig(targets=["flashmla_torch"], check=True, inputs="torch")
+    session = FakeSession(config)
+    grid = shapes.mla_grid(batches=(2,), seqlens=(100,), heads=(16,), s_qs=(2,), varlens=(True,), dtype="fp8",
+                           q_dtype="fp8")
+    result = runner.run(_numpy_mla_workload(session, real=("flashmla_torch",), dtype="fp8"), grid, config, gpu={},
+                        session=session)
+    (r,) = result.records
+    assert "error" not in r and r["check_ok"] is True and r["q_dtype"] == "fp8", r
+    assert len(calls) == 2 and streams == ["profiler-stream"]            # setup + timed
+    q_dtype, is_fp8, k_scale, q_scale = calls[-1]
+    assert q_dtype == torch.uint8 and is_fp8 is True
+    assert isinstance(k_scale, torch.Tensor) and float(k_scale) == pytest.approx(inputs.FP8_K_SCALE)
+    assert isinstance(q_scale, torch.Tensor) and float(q_scale) == pytest.approx(inputs.FP8_Q_SCALE)
+    assert len(dlpack_calls) == 4 + 2                                   # q, k_cache, table, seqlens; the scales
+
+
 def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
     import builtins
     import types
@@ -926,6 +1031,9 @@ def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
     (["sparse"], "flashmla", None),
     (["sparse", "--value-checks", "off"], "flashmla", None),
     (["--dtype", "fp8", "--baseline", "flash_mla", "--page-size", "16"], "flashmla", "flash_mla"),
+    (["--dtype", "fp8", "--q-dtype", "fp8", "--inputs", "torch"], "flashmla_torch", None),
+    (["--dtype", "fp16", "--q-dtype", "fp16"], "flashmla", None),
+    (["sparse", "--q-dtype", "bf16"], "flashmla", None),
 ])
 def test_profile_options_choose_targets_and_mode(monkeypatch, argv, main, baseline):
     import flashmla_cupy
@@ -1146,7 +1254,13 @@ def test_profile_sparse_refuses_what_it_cannot_do(monkeypatch, argv, words):
 @pytest.mark.parametrize("argv, words", [
     (["sparse", "--dtype", "fp8"], ("--dtype fp8 is not available for sparse", "656 B/token")),
     (["--dtype", "fp8", "--h-kv", "2"], ("--dtype fp8 takes --h-kv 1 only", "got --h-kv 2")),
-    (["mla", "--dtype", "fp8", "--inputs", "torch"], ("--inputs torch is not available with --dtype fp8", "k_scale")),
+    (["--q-dtype", "fp8"], ("--q-dtype fp8 is not available with --dtype bf16, whose q is bf16",
+                            "an e4m3 q (fp8) reads the dense FP8 cache only")),
+    (["--dtype", "fp16", "--q-dtype", "bf16"],
+     ("--q-dtype bf16 is not available with --dtype fp16, whose q is fp16",)),
+    (["--dtype", "fp8", "--q-dtype", "fp16"],
+     ("--q-dtype fp16 is not available with --dtype fp8, whose q is bf16 or fp8",)),
+    (["sparse", "--q-dtype", "fp8"], ("--q-dtype fp8 is not available for sparse", "reads bf16 q")),
 ])
 def test_profile_fp8_refuses_what_it_cannot_do(monkeypatch, argv, words):
     def no_device(config, need_hopper):
@@ -1308,31 +1422,39 @@ def test_profile_sparse_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, ca
     assert rows[0]["name"] == "flashmla" and int(rows[0]["seqlen"]) == 256 and int(rows[0]["topk"]) == 64
 
 
-def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
-    """--dtype fp8 through the CLI: its programs prebuilt, the FP8 cache in the title, 576 bytes a
-    token, FlashMLA n/a with the reason (exit 0), no FP8 ceiling said, "fp8" in every CSV and JSON row."""
+@pytest.mark.parametrize("q_dtype, q_text, q_bytes", [
+    (None, "bf16", 2), ("bf16", "bf16", 2), ("fp8", "e4m3", 1),
+])
+def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys, q_dtype, q_text, q_bytes):
+    """--dtype fp8 (--q-dtype) through the CLI: its programs prebuilt, the FP8 cache and q's dtype in
+    the title, 576 bytes a token and q's own element size, FlashMLA n/a with the reason (exit 0), no
+    FP8 ceiling said, the cache's and q's dtypes in every CSV and JSON row."""
     csv_path, json_path = tmp_path / "f.csv", tmp_path / "f.json"
     built = []
     profile_programs = build.profile_programs
     monkeypatch.setattr(build, "profile_programs", lambda *a: built.append(a) or profile_programs(*a))
     argv = ["profile", "--dtype", "fp8", "--seqlens", "128", "--heads", "16", "--s-q", "1,2", "--varlen", "off",
             "--baseline", "flash_mla", "--check", "--csv", str(csv_path), "--json", str(json_path)]
-    assert _cli_with_a_stand_in_gpu(monkeypatch, argv) == 0
+    assert _cli_with_a_stand_in_gpu(monkeypatch, argv + (["--q-dtype", q_dtype] if q_dtype else [])) == 0
     assert built == [("mla", "fp8")]
     out = capsys.readouterr().out
-    assert "MLA decoding, q bf16, FP8 cache (576 B/token, one scale), causal, h_kv 1" in out
+    assert f"MLA decoding, q {q_text}, FP8 cache (576 B/token, one scale), causal, h_kv 1" in out
     assert "skipped flash_mla at 2 of 2 shapes: FlashMLA has no dense FP8 decoding on Hopper" in out
     assert "no FP8 matmul ceiling" in out and "e = 2 (bf16/fp16 cache) or 1 (FP8 cache)" in out
+    assert "e_q = 2 (bf16/fp16 q) or 1 (e4m3 q)" in out
     assert not [line for line in out.splitlines() if line.startswith("error ")]
     data = json.loads(json_path.read_text())
-    assert [(r["name"], r["dtype"], "ms_median" in r) for r in data["records"]] == [
-        ("flashmla", "fp8", True), ("flash_mla", "fp8", False)] * 2
-    for r in data["records"]:         # the stand-in's 2 requests of 128 tokens
-        assert r["bytes"] == 576 * 2 * 128 + 2 * 2 * r["s_q"] * 16 * (576 + 512)
+    q = q_dtype or "bf16"
+    assert [(r["name"], r["dtype"], r["q_dtype"], "ms_median" in r) for r in data["records"]] == [
+        ("flashmla", "fp8", q, True), ("flash_mla", "fp8", q, False)] * 2
+    for r in data["records"]:         # the stand-in's 2 requests of 128 tokens; out in bf16
+        assert r["bytes"] == 576 * 2 * 128 + 2 * r["s_q"] * 16 * (q_bytes * 576 + 2 * 512)
         assert r.get("check_ok", True) is True
+    assert data["records"][0]["check_ok"] is True
     with csv_path.open() as f:
         rows = list(csv.DictReader(f))
-    assert [(r["name"], r["dtype"]) for r in rows] == [("flashmla", "fp8"), ("flash_mla", "fp8")] * 2
+    assert [(r["name"], r["dtype"], r["q_dtype"]) for r in rows] == [
+        ("flashmla", "fp8", q), ("flash_mla", "fp8", q)] * 2
 
 
 def test_profile_torch_inputs_unavailable_exits_with_one_line(monkeypatch):
@@ -1534,18 +1656,27 @@ def test_profile_page_sizes_on_hopper(tmp_path):
 
 
 @pytest.mark.hopper
-def test_profile_fp8_on_hopper(tmp_path):
-    """The default call over the dense FP8 cache against the float64 reference at two page sizes,
-    576 bytes a token; the CuPy baseline n/a beside it."""
+@pytest.mark.parametrize("argv", [[], ["--q-dtype", "fp8"], ["--q-dtype", "fp8", "--inputs", "torch"]],
+                         ids=["bf16-q", "e4m3-q", "e4m3-q-torch"])
+def test_profile_fp8_on_hopper(tmp_path, argv):
+    """The default call over the dense FP8 cache (bf16 or e4m3 q; CuPy arrays or torch tensors)
+    against the float64 reference at two page sizes, 576 bytes a token, q at its own element size;
+    the CuPy baseline n/a beside it."""
+    main_t = targets.MAIN_MLA_TARGETS["torch" if "torch" in argv else "cupy"]
+    why = targets.MLA_TARGETS[main_t].requires()
+    if why:
+        pytest.skip(f"{main_t}: {why}")
+    q_dtype, q_bytes = ("fp8", 1) if "fp8" in argv else ("bf16", 2)
     path = tmp_path / "f.json"
     rc = cli.main(["profile", "--dtype", "fp8", "--heads", "64", "--seqlens", "1024", "--s-q", "2", "--varlen", "on",
                    "--batch", "4", "--page-size", "16,64", "--repeats", "10", "--warmup", "2", "--no-ceilings",
-                   "--check", "--baseline", "cupy", "--json", str(path)])
+                   "--check", "--baseline", "cupy", "--json", str(path), *argv])
     data = json.loads(path.read_text())
-    main = [r for r in data["records"] if r["name"] == "flashmla"]
+    main = [r for r in data["records"] if r["name"] == main_t]
     assert [r["page_size"] for r in main] == [16, 64]
-    assert all("error" not in r and r["check_ok"] and r["ms_median"] > 0 and r["dtype"] == "fp8" for r in main), main
-    assert all(r["bytes"] == 576 * r["total_seqlen"] + 2 * 4 * 2 * 64 * (576 + 512) for r in main)
+    assert all("error" not in r and r["check_ok"] and r["ms_median"] > 0 for r in main), main
+    assert all((r["dtype"], r["q_dtype"]) == ("fp8", q_dtype) for r in main)
+    assert all(r["bytes"] == 576 * r["total_seqlen"] + 4 * 2 * 64 * (q_bytes * 576 + 2 * 512) for r in main)
     assert all(r["skipped"] for r in data["records"] if r["name"] == "cupy")
     assert rc == 0
 

@@ -7,8 +7,8 @@
   accumulation, on random data; fp16 through ``cupy.matmul`` where bf16 cannot be had. The dtype
   and the path used are recorded in ``Ceilings.matmul_method``. The attention profile (float32
   kernels) measures a float32 product instead. The FP8 caches (sparse decoding, and dense with
-  ``--dtype fp8``) are read in FP8 but multiplied in 16 bits, so bf16 is their roof too; there is
-  no FP8 ceiling (``NO_FP8_MATMUL`` says why).
+  ``--dtype fp8``, read by bf16 or e4m3 q) are read in FP8 but multiplied in 16 bits, so bf16 is
+  their roof too; there is no FP8 ceiling (``NO_FP8_MATMUL`` says why).
 
 ``classify`` is pure: it compares the time the bytes need at the copy ceiling with the time the
 FLOPs need at the matmul ceiling, and reports the larger one as the bound.
@@ -68,7 +68,8 @@ def fractions(gbps: float, tflops: float, ceilings: Ceilings) -> tuple[float | N
 # Said with the ceilings of a profile over an FP8 cache (sparse, dense fp8). cublasGemmEx refuses
 # FP8 operands; cuBLASLt's cublasLtMatmul takes them, but CuPy binds no cuBLASLt function.
 NO_FP8_MATMUL = ("no FP8 matmul ceiling: FP8 (e4m3) products need cuBLASLt, which CuPy does not bind; the FP8 "
-                 "kernels dequantize the FP8 cache and multiply in 16 bits, so the bf16 ceiling is their roof")
+                 "kernels dequantize the FP8 cache (and an e4m3 q) and multiply in 16 bits, so the bf16 ceiling "
+                 "is their roof")
 
 CUDA_R_16F = 2
 CUDA_R_16BF = 14

@@ -6,9 +6,10 @@ P``; ``block_table = arange``, as in the seed); standard-normal data; every cach
 request's length is NaN (as in the seed), so a kernel that reads it shows it in ``--check``.
 Generated per request's ``max_seqlen_pad`` tokens, in chunks of requests so that the float32
 staging never exceeds ~1 GiB whatever the shape: the values depend on the seed and the padded
-length, not on the page size. The FP8 cache (dtype ``fp8``, bf16 q): the same values quantized
-by ``quant.quantize_fp8_per_tensor`` at the fixed scale ``FP8_K_SCALE`` (uint8 e4m3 codes, the NaN
-code past each request's length), and ``k_scale`` that scale as a float32 0-d array.
+length, not on the page size. The FP8 cache (dtype ``fp8``): the same values quantized by
+``quant.quantize_fp8_per_tensor`` at the fixed scale ``FP8_K_SCALE`` (uint8 e4m3 codes, the NaN
+code past each request's length), and ``k_scale`` that scale as a float32 0-d array. An e4m3 q
+(``q_dtype`` ``fp8``): the same q values quantized likewise at ``FP8_Q_SCALE``, and ``q_scale``.
 
 Sparse (DeepSeek-V3.2): q bf16 ``[b, s_q, h_q, 576]``; an FP8 cache ``[num_blocks, 64, 1, 656]``
 quantized (``flashmla_cupy.quant``) from standard-normal bf16 rows; ``indices [b, s_q, topk]``,
@@ -26,7 +27,7 @@ import numpy as np
 
 from .. import baselines, quant
 from ..constants import FP8_TOKEN_BYTES
-from .shapes import FP8_CACHE, PAGE_BLOCK, AttentionShape, MLAShape, SparseShape, q_dtype
+from .shapes import FP8_CACHE, FP8_Q, PAGE_BLOCK, AttentionShape, MLAShape, SparseShape
 
 STAGING_BYTES = 1 << 30
 
@@ -35,6 +36,9 @@ STAGING_BYTES = 1 << 30
 # scales are not). Fixed rather than computed from the data so that every chunk of the cache is
 # quantized with the one scale the call reads.
 FP8_K_SCALE = 6.0 / quant.E4M3_MAX
+# An e4m3 q's q_scale, likewise: amax / 448 of standard-normal values, amax about 5 over the 10^6-10^7
+# values of a grid shape's q (the rare larger ones saturate at 448, as under a calibrated scale).
+FP8_Q_SCALE = 5.0 / quant.E4M3_MAX
 
 
 def numpy_dtype(tag: str) -> np.dtype:
@@ -59,12 +63,22 @@ class MLABenchInputs:
     block_table: object
     cache_seqlens: object
     k_scale: object = None     # the FP8 cache's scale, float32 0-d; None for a 16-bit cache
+    q_scale: object = None     # an e4m3 q's scale, float32 0-d; None for a 16-bit q
     # The four arrays as torch tensors (DLPack views), made once by the first torch target.
     torch_views: tuple | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in (self.q, self.k_cache, self.block_table, self.cache_seqlens))
+
+    def format_kwargs(self, convert=lambda scale: scale) -> dict:
+        """The keywords of ``flash_mla_with_kvcache`` that say the cache's and q's format: none for
+        16-bit ones; is_fp8_kvcache and k_scale over the FP8 cache, and q_scale for an e4m3 q. Each
+        scale goes through ``convert`` (the torch drop-in's: torch.from_dlpack)."""
+        if self.k_scale is None:
+            return {}
+        kwargs = {"is_fp8_kvcache": True, "k_scale": convert(self.k_scale)}
+        return kwargs if self.q_scale is None else {**kwargs, "q_scale": convert(self.q_scale)}
 
 
 def _store(dst, src_f32, dtype, xp) -> None:
@@ -91,14 +105,19 @@ def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
     if xp is None:
         import cupy as xp
 
-    q_elements = numpy_dtype(q_dtype(shape.dtype))
     gen = xp.random.default_rng(seed)
     b, s_q, h_q, h_kv, d = shape.batch, shape.s_q, shape.h_q, shape.h_kv, shape.d
     pad, page = shape.max_seqlen_pad, shape.page_size
     pages = pad // page
 
-    q = xp.empty((b, s_q, h_q, d), dtype=q_elements)
-    _store(q, gen.standard_normal(q.shape, dtype=np.float32), q_elements, xp)
+    q_values = gen.standard_normal((b, s_q, h_q, d), dtype=np.float32)
+    if shape.q_dtype == FP8_Q:
+        q, _ = quant.quantize_fp8_per_tensor(q_values, scale=FP8_Q_SCALE)
+        q_scale = xp.asarray(FP8_Q_SCALE, dtype=np.float32)
+    else:
+        q, q_scale = xp.empty(q_values.shape, dtype=numpy_dtype(shape.q_dtype)), None
+        _store(q, q_values, q.dtype, xp)
+    del q_values
 
     k_cache = xp.empty((b * pages, page, h_kv, d), dtype=numpy_dtype(shape.dtype))
     per_request = k_cache.reshape(b, pad, h_kv, d)
@@ -113,7 +132,7 @@ def make_mla_inputs(shape: MLAShape, seed: int = 0, xp=None) -> MLABenchInputs:
         del block
     block_table = xp.arange(b * pages, dtype=np.int32).reshape(b, pages)
     k_scale = xp.asarray(FP8_K_SCALE, dtype=np.float32) if shape.dtype == FP8_CACHE else None
-    return MLABenchInputs(shape, q, k_cache, block_table, xp.asarray(seqlens), k_scale)
+    return MLABenchInputs(shape, q, k_cache, block_table, xp.asarray(seqlens), k_scale, q_scale)
 
 
 @dataclass

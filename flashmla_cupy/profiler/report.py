@@ -21,7 +21,7 @@ SEED_COLUMNS = ["name", "batch", "seqlen", "head", "bw"]
 CSV_COLUMNS = SEED_COLUMNS + [
     # shape
     "mean_seqlen", "seqlen_mean", "total_seqlen", "max_seqlen", "h_q", "h_kv", "s_q", "varlen",
-    "causal", "dtype", "d", "dv", "page_size", "s_k", "topk", "heads", "head_dim",
+    "causal", "dtype", "q_dtype", "d", "dv", "page_size", "s_k", "topk", "heads", "head_dim",
     # time (ms)
     "ms_median", "ms_p10", "ms_p90", "ms_q1", "ms_q3", "ms_mean", "ms_std", "ms_min", "ms_max", "n_runs",
     # rates and roofs
@@ -40,8 +40,8 @@ OUT_AND_LSE_KINDS = ("mla", "sparse")     # their targets return (out, lse): bot
 
 FORMULAS = {
     "mla": "FLOPs = 2·s_q·Σseqlen·h_q·(576+512); "
-           "bytes = e·Σseqlen·h_kv·576 + 2·(b·s_q·h_q·576 + b·s_q·h_q·512), e = 2 (bf16/fp16 cache) or 1 "
-           "(FP8 cache); "
+           "bytes = e·Σseqlen·h_kv·576 + e_q·b·s_q·h_q·576 + 2·b·s_q·h_q·512, e = 2 (bf16/fp16 cache) or 1 "
+           "(FP8 cache), e_q = 2 (bf16/fp16 q) or 1 (e4m3 q); "
            "bound: larger of bytes/copy-ceiling and FLOPs/matmul-ceiling",
     "sparse": "upstream FlashMLA's tests/lib.py: FLOPs = 2·h_q·(b·s_q·topk)·(576+512); "
               "bytes = 2·b·s_q·h_q·(576+512) (q, out) + 656·distinct cache tokens the indices name; "

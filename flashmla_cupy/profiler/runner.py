@@ -181,7 +181,7 @@ def _mla_reference(inp):
     from .. import reference
     s = inp.shape
     return reference.mla_decode(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, s.dv,
-                                causal=s.causal, k_scale=inp.k_scale)
+                                causal=s.causal, k_scale=inp.k_scale, q_scale=inp.q_scale)
 
 
 def _mla_compare(result, ref) -> dict:

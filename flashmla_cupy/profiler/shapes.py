@@ -9,17 +9,19 @@ truncated to an integer. The draws come from one ``random.Random(seed)`` consume
 measured anchors. The grid is crossed with the page sizes innermost, without drawing again: a
 shape's rows at each page size have the same cache lengths.
 
-The dtype names q's and the cache's elements: bf16 or fp16 for both, or ``fp8``, the dense FP8
-cache (float8_e4m3 codes with one float32 scale, vLLM's ``k_scale``) read by bf16 q.
+The dtype names the cache's elements: bf16 or fp16, or ``fp8``, the dense FP8 cache (float8_e4m3
+codes with one float32 scale, vLLM's ``k_scale``). q's dtype (``q_dtype``) is the 16-bit cache's
+own; over the FP8 cache it is bf16 or ``fp8``, e4m3 codes with one float32 scale (``q_scale``).
+out is in q's dtype, bf16 for an e4m3 q.
 
 FLOPs and bytes use the seed benchmark's formulas, with each array's own element size:
 
     FLOPs = 2 · s_q · Σseqlen · h_q · (d + dv)
-    bytes = e_kv · Σseqlen · h_kv · d + e_q · (b · s_q · h_q · d + b · s_q · h_q · dv)
+    bytes = e_kv · Σseqlen · h_kv · d + e_q · b · s_q · h_q · d + e_out · b · s_q · h_q · dv
 
-(the KV cache read once, q read once, the output written once, in q's dtype; e_q = 2, e_kv = 2
-for bf16/fp16 and 1 for fp8: 576 bytes a token). Both count tokens, so the page size does not
-enter them.
+(the KV cache read once, q read once, the output written once; e_kv = 2 for bf16/fp16 and 1 for
+fp8: 576 bytes a token; e_q = 2 for bf16/fp16 and 1 for an e4m3 q; e_out = 2). Both count
+tokens, so the page size does not enter them.
 
 Sparse decoding (DeepSeek-V3.2) is a list of production rows, each ``(b, h_q, s_q, s_k, topk)``:
 request i owns ``s_k`` tokens of an FP8 cache (656 bytes a token) and each of its query tokens
@@ -45,8 +47,9 @@ HEAD_DIM_V = 512
 PAGE_BLOCK = 64            # tokens per cache page in the seed's layout: MLA's default, the sparse cache's
 SEQLEN_PAD = 256           # the seed pads each request's cache to a multiple of 256 tokens
 
-FP8_CACHE = "fp8"          # the dense FP8 cache: e4m3 codes (one byte), one scale, bf16 q and out
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, FP8_CACHE: 1}
+FP8_CACHE = "fp8"          # the dense FP8 cache: e4m3 codes (one byte), one scale (k_scale)
+FP8_Q = "fp8"              # an e4m3 q over the FP8 cache: codes (one byte), one scale (q_scale); bf16 out
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, FP8_CACHE: 1}     # (FP8_Q's: FP8_CACHE's)
 
 # The seed's test grid.
 SEED_BATCHES = (128,)
@@ -90,9 +93,15 @@ def is_page_size(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def q_dtype(dtype: str) -> str:
-    """q's (and out's) dtype for an MLA dtype: the cache's, except over the FP8 cache, which the
-    kernel reads with bf16 q."""
+def q_dtypes(dtype: str) -> tuple[str, ...]:
+    """The dtypes of q that read a cache of ``dtype``, the default first: a 16-bit cache's own;
+    bf16 or an e4m3 q (``FP8_Q``) over the FP8 cache."""
+    return ("bf16", FP8_Q) if dtype == FP8_CACHE else (dtype,)
+
+
+def out_dtype(dtype: str) -> str:
+    """out's dtype over a cache of ``dtype``: a 16-bit cache's (q's), bf16 over the FP8 cache
+    whatever q's is."""
     return "bf16" if dtype == FP8_CACHE else dtype
 
 
@@ -113,10 +122,19 @@ class MLAShape:
     seqlens: tuple[int, ...] = field(repr=False)
     h_kv: int = 1
     causal: bool = True
-    dtype: str = "bf16"            # the cache's: bf16, fp16 or FP8_CACHE (q's: ``q_dtype``)
+    dtype: str = "bf16"            # the cache's: bf16, fp16 or FP8_CACHE
     d: int = HEAD_DIM_K
     dv: int = HEAD_DIM_V
     page_size: int = PAGE_BLOCK
+    q_dtype: str | None = None     # q's: one of ``q_dtypes(dtype)``; None: the first (bf16 over FP8_CACHE)
+
+    def __post_init__(self):
+        allowed = q_dtypes(self.dtype)
+        if self.q_dtype is None:
+            object.__setattr__(self, "q_dtype", allowed[0])      # (frozen: set once, here)
+        elif self.q_dtype not in allowed:
+            raise ValueError(f"q_dtype {self.q_dtype!r} does not read a {self.dtype} cache "
+                             f"(q: {' or '.join(allowed)})")
 
     @property
     def total_seqlen(self) -> int:
@@ -157,7 +175,7 @@ class MLAShape:
             "batch": self.batch, "mean_seqlen": self.mean_seqlen, "seqlen_mean": self.seqlen_mean,
             "total_seqlen": self.total_seqlen, "max_seqlen": self.max_seqlen, "h_q": self.h_q,
             "h_kv": self.h_kv, "s_q": self.s_q, "varlen": self.varlen, "causal": self.causal,
-            "dtype": self.dtype, "d": self.d, "dv": self.dv, "page_size": self.page_size,
+            "dtype": self.dtype, "q_dtype": self.q_dtype, "d": self.d, "dv": self.dv, "page_size": self.page_size,
         }
 
 
@@ -170,7 +188,7 @@ def draw_seqlens(rng: random.Random, batch: int, mean: int, s_q: int, varlen: bo
 
 def mla_grid(batches=SEED_BATCHES, seqlens=SEED_SEQLENS, heads=SEED_HEADS, s_qs=SEED_S_Q,
              varlens=SEED_VARLEN, *, page_sizes=(PAGE_BLOCK,), h_kv: int = 1, causal: bool = True,
-             dtype: str = "bf16", seed: int = 0) -> list[MLAShape]:
+             dtype: str = "bf16", q_dtype: str | None = None, seed: int = 0) -> list[MLAShape]:
     """The grid in the seed test's order, cache lengths drawn from ``random.Random(seed)``; each
     shape once per page size (innermost), all with the lengths drawn for it."""
     for p in page_sizes:
@@ -187,16 +205,16 @@ def mla_grid(batches=SEED_BATCHES, seqlens=SEED_SEQLENS, heads=SEED_HEADS, s_qs=
                     for varlen in varlens:
                         lens = draw_seqlens(rng, b, s, s_q, varlen)
                         shapes += [MLAShape(b, s, h_q, s_q, varlen, lens, h_kv=h_kv, causal=causal, dtype=dtype,
-                                            page_size=p) for p in page_sizes]
+                                            page_size=p, q_dtype=q_dtype) for p in page_sizes]
     return shapes
 
 
 def quick_grid(*, page_sizes=(PAGE_BLOCK,), h_kv: int = 1, causal: bool = True, dtype: str = "bf16",
-               seed: int = 0) -> list[MLAShape]:
+               q_dtype: str | None = None, seed: int = 0) -> list[MLAShape]:
     """``--quick``: the QUICK_KEYS shapes at each page size, with the cache lengths they have in the
     full grid."""
     full = {(s.key, s.page_size): s for s in mla_grid(page_sizes=page_sizes, h_kv=h_kv, causal=causal,
-                                                       dtype=dtype, seed=seed)}
+                                                       dtype=dtype, q_dtype=q_dtype, seed=seed)}
     return [full[k, p] for k in QUICK_KEYS for p in page_sizes]
 
 
@@ -210,11 +228,12 @@ def mla_flops(shape: MLAShape) -> int:
 
 
 def mla_bytes(shape: MLAShape) -> int:
-    """e_kv · Σseqlen · h_kv · d + e_q · (b · s_q · h_q · d + b · s_q · h_q · dv) (the seed's count,
-    each array at its own element size: the cache's, q's and out's)."""
+    """e_kv · Σseqlen · h_kv · d + e_q · b · s_q · h_q · d + e_out · b · s_q · h_q · dv (the seed's
+    count, each array at its own element size: the cache's, q's and out's)."""
     b, s_q, h_q = shape.batch, shape.s_q, shape.h_q
     return (element_bytes(shape.dtype) * shape.total_seqlen * shape.h_kv * shape.d
-            + element_bytes(q_dtype(shape.dtype)) * (b * s_q * h_q * shape.d + b * s_q * h_q * shape.dv))
+            + element_bytes(shape.q_dtype) * b * s_q * h_q * shape.d
+            + element_bytes(out_dtype(shape.dtype)) * b * s_q * h_q * shape.dv)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ validating call whose result feeds ``--check``) and returns ``Prepared.run``, th
 callable that is timed. A new implementation plugs in by adding a ``Target`` to ``MLA_TARGETS``,
 ``SPARSE_TARGETS`` or ``ATTENTION_TARGETS``; ``requires`` says (one line) why it cannot run here, or
 ``None``; ``supports(shape)`` says why it cannot run one shape (FlashMLA: pages other than 64
-tokens, the FP8 cache), or ``None``: that row is skipped as not applicable, not failed.
+tokens, the FP8 cache and an e4m3 q), or ``None``: that row is skipped as not applicable, not failed.
 
 MLA targets take ``inputs.MLABenchInputs`` (sparse ones ``inputs.SparseBenchInputs``) and return
 ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``; attention targets take ``inputs.AttentionInputs``
@@ -65,13 +65,14 @@ def _requires_flashmla() -> str | None:
 
 def setup_flashmla(inp) -> Prepared:
     """The call users make: default arguments (outputs allocated by the call, value checks in
-    their current mode), on CuPy arrays; over the FP8 cache with ``is_fp8_kvcache`` and its scale."""
+    their current mode), on CuPy arrays; over the FP8 cache with ``is_fp8_kvcache`` and its scale
+    (and an e4m3 q's)."""
     from .. import mla
 
     s = inp.shape
     meta, splits = mla.get_mla_metadata(inp.cache_seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
     args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, s.dv, meta, splits)
-    fp8 = {} if inp.k_scale is None else {"is_fp8_kvcache": True, "k_scale": inp.k_scale}
+    fp8 = inp.format_kwargs()
 
     def run():
         return mla.flash_mla_with_kvcache(*args, causal=s.causal, **fp8)
@@ -133,17 +134,21 @@ def _as_cupy(result):
 
 def setup_flashmla_torch(inp) -> Prepared:
     """The call torch users make: ``flashmla_cupy.flash_mla`` (FlashMLA's signatures, default
-    arguments) on torch tensors, on torch's current stream."""
+    arguments) on torch tensors, on torch's current stream; over the FP8 cache with its keywords,
+    the scales as torch tensors viewing the CuPy ones."""
+    import torch
+
     from .. import flash_mla
 
     s = inp.shape
     q, k_cache, block_table, seqlens = _torch_inputs(inp)
+    fp8 = inp.format_kwargs(torch.from_dlpack)
     with _torch_device(inp):
         meta, splits = flash_mla.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
 
         def run():
             return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits,
-                                                    causal=s.causal)
+                                                    causal=s.causal, **fp8)
 
         result = _as_cupy(run())
     return Prepared(run, result, on_stream=_torch_on_stream)
@@ -187,10 +192,11 @@ def _requires_real_flash_mla() -> str | None:
 
 
 def _real_flash_mla_supports(shape) -> str | None:
-    """FlashMLA's dense call reads 16-bit caches (its FP8 cache is the sparse call's) and checks
-    ``page_block_size == 64``."""
-    if shape.dtype == FP8_CACHE:
-        return "FlashMLA has no dense FP8 decoding on Hopper (its FP8 cache is the sparse one)"
+    """FlashMLA's dense call reads 16-bit q and caches (its FP8 cache is the sparse call's, read by
+    bf16 q) and checks ``page_block_size == 64``."""
+    if shape.dtype == FP8_CACHE:        # (an e4m3 q comes with the FP8 cache only)
+        return ("FlashMLA has no dense FP8 decoding on Hopper (its FP8 cache is the sparse one, "
+                "read by bf16 q)")
     if shape.page_size != PAGE_BLOCK:
         return f"FlashMLA's dense call takes pages of {PAGE_BLOCK} tokens only"
     return None
@@ -224,9 +230,9 @@ def _requires_cublas() -> str | None:
 
 
 def _cupy_baseline_supports(shape) -> str | None:
-    """The plain CuPy implementation upcasts 16-bit caches; it has no FP8 dequantization."""
-    if shape.dtype == FP8_CACHE:
-        return "the plain CuPy baseline reads bf16/fp16 caches only"
+    """The plain CuPy implementation upcasts 16-bit q and caches; it has no FP8 dequantization."""
+    if shape.dtype == FP8_CACHE:        # (an e4m3 q comes with the FP8 cache only)
+        return "the plain CuPy baseline reads bf16/fp16 q and caches only"
     return None
 
 
