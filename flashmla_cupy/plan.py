@@ -167,8 +167,8 @@ class LaunchPlan:
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
         # (field offset, shape, byte strides, box rows, byte box columns, last address); byte box
-        # columns 0: a map of the plan's 16-bit dtype, 64 columns, 128-byte swizzle; else a byte
-        # map of e4m3 values without swizzle, boxes this many bytes wide
+        # columns 0: a map of the plan's 16-bit dtype, 64 columns; else a byte map of e4m3
+        # values, boxes this many bytes wide (all with the 128-byte swizzle)
         self._maps = [list(m) + [None] for m in maps]
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
@@ -245,8 +245,7 @@ class LaunchPlan:
         entry = self._maps[index]
         if entry[5] != address:
             if entry[4]:
-                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3], box_cols=entry[4],
-                                     swizzle_128b=False)
+                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3], box_cols=entry[4])
             else:
                 raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
             ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
@@ -276,9 +275,9 @@ class CallPlan(LaunchPlan):
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
-        # an e4m3 q: staged as 64-byte rows of each tile (fp8_expand.cuh)
-        maps = [(SplitKVParams.tma_q.offset, *q_map, TMA_BOX if a.fp8_q else 0)]
-        # a box is one piece of a page (kernel); the FP8 cache's staged rows: 128 e4m3 bytes
+        # e4m3 values (an e4m3 q, the FP8 cache) are staged as rows of 128 bytes (fp8_staged.cuh)
+        maps = [(SplitKVParams.tma_q.offset, *q_map, FP8_STAGED_ROW_BYTES if a.fp8_q else 0)]
+        # a box is one piece of a page (kernel)
         maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
                      FP8_STAGED_ROW_BYTES if a.fp8_cache else 0))
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
@@ -288,7 +287,8 @@ class CallPlan(LaunchPlan):
         """Load (compiling on first use) the kernels and prebuild both launches."""
         a = self.inputs
         tag = "fp16" if self.dtype == np.float16 else "bf16"
-        splitkv = launch.get_kernel(programs.splitkv_program(programs.FP8_TAG if a.fp8_cache else tag))
+        splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
+        splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag))
         combine = launch.get_kernel(programs.combine_program(tag))
         num_m_blocks = -(-a.q_rows // BLOCK_M)
         # FP8: a warpgroup more, which expands the staged pages (fp8_expand.cuh)

@@ -13,6 +13,7 @@ from .params import layout_defines
 DTYPE_TAGS = ("bf16", "fp16")
 SPARSE_FP8_TAG = "fp8_sparse"      # DeepSeek-V3.2's sparse decoding over its 656-byte FP8 cache
 FP8_TAG = "fp8"                    # the dense e4m3 cache with one scale per tensor, bf16 q
+FP8_Q_TAG = "fp8q"                 # the same cache with an e4m3 q (QK^T in FP8 WGMMA)
 _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
 
@@ -35,11 +36,12 @@ def _mla_defines() -> tuple[tuple[str, str], ...]:
 
 
 def splitkv_program(tag: str) -> Program:
-    """The split-KV kernel for a q/cache dtype tag (``DTYPE_TAGS``), ``SPARSE_FP8_TAG`` or ``FP8_TAG``
-    (the FP8 caches: bf16 q, fp16 inside)."""
-    form = {SPARSE_FP8_TAG: ("cutlass::half_t", "kFp8Sparse"), FP8_TAG: ("cutlass::half_t", "kFp8")}
-    element, cache = form.get(tag) or (_CTYPES[tag], "k16Bit")
-    kernel = f"flashmla::splitkv_mla_kernel<{element}, flashmla::KVCache::{cache}>"
+    """The split-KV kernel for a q/cache dtype tag (``DTYPE_TAGS``), ``SPARSE_FP8_TAG``, ``FP8_TAG``
+    (the FP8 caches: bf16 q, fp16 inside) or ``FP8_Q_TAG`` (the dense FP8 cache, e4m3 q)."""
+    fp8 = {SPARSE_FP8_TAG: "kFp8Sparse", FP8_TAG: "kFp8", FP8_Q_TAG: "kFp8, true"}
+    args = (f"cutlass::half_t, flashmla::KVCache::{fp8[tag]}" if tag in fp8
+            else f"{_CTYPES[tag]}, flashmla::KVCache::k16Bit")
+    kernel = f"flashmla::splitkv_mla_kernel<{args}>"
     return Program(f"splitkv_mla<{tag}>", "mla/splitkv_kernel.cu", (kernel,),
                    _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
 
@@ -55,7 +57,7 @@ def metadata_program() -> Program:
 
 
 def mla_programs() -> list[Program]:
-    return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG, FP8_TAG)),
+    return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG, FP8_TAG, FP8_Q_TAG)),
             *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
 
 

@@ -149,7 +149,12 @@ def poisoned(shape, dtype) -> cupy.ndarray:
 # (K, V and Q are exact in fp16 against the dequantized reference) but O is bf16, whose rounding
 # dominates: bf16's bound.
 OUT_TOL = {"bf16": (1e-2, 1e-2), "fp16": (2e-3, 2e-3), "fp8": (1e-2, 1e-2), "fp8q": (1e-2, 1e-2)}
-LSE_TOL = (1e-3, 1e-5)
+# lse: |lse - ref| <= atol + rtol |ref|. An e4m3 q's QK^T is an FP8 WGMMA, whose adder keeps about
+# 14 bits of the running sum (DeepSeek-V3's report, 3.3.2), so each of its 18 k-steps of 32 may
+# lose ~2^-14 of the partial score: up to 3.2e-3 in lse on the H100 over test_fp8's shapes, hence
+# 1e-2 there (1e-3 everywhere else; out and cos_diff keep their bounds).
+LSE_TOL = {"fp8q": (1e-2, 1e-5)}
+LSE_TOL_DEFAULT = (1e-3, 1e-5)
 
 
 def run_kernel(inp: MLACase, causal: bool, softmax_scale=None):
@@ -187,7 +192,7 @@ def check_against_reference(inp: MLACase, out, lse, causal: bool, dtype: str, so
     atol, rtol = OUT_TOL[dtype]
     out_excess = float(xp.max(xp.abs(out64 - ref_out) - (atol + rtol * xp.abs(ref_out))))
     assert out_excess <= 0, f"out error beyond {atol}+{rtol}|ref| by {out_excess:.3g}: {what}"
-    latol, lrtol = LSE_TOL
+    latol, lrtol = LSE_TOL.get(dtype, LSE_TOL_DEFAULT)
     lse_diff = xp.where(finite, lse64, 0) - xp.where(finite, ref_lse, 0)   # no inf - inf
     lse_err = xp.where(finite, xp.abs(lse_diff) - (latol + lrtol * xp.abs(ref_lse)), 0)
     assert float(lse_err.max()) <= 0, f"lse error beyond tolerance by {float(lse_err.max()):.3g}: {what}"

@@ -35,13 +35,14 @@ def _data_type(dtype: np.dtype):
 
 
 def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
-                 box: tuple[int, ...], swizzle_128b: bool = True) -> bytes:
-    """A tiled tensor map over ``dims`` (innermost first, that dimension contiguous).
+                 box: tuple[int, ...]) -> bytes:
+    """A tiled tensor map over ``dims`` (innermost first, that dimension contiguous), with the
+    128-byte swizzle of the kernels' shared-memory tiles.
 
     ``strides_bytes`` are the byte strides of dims[1:], ``box`` the tile copied per TMA
     instruction. Out-of-bounds elements of a box read as zero and are not written on stores.
     """
-    key = (address, np.dtype(dtype).str, dims, strides_bytes, box, swizzle_128b)
+    key = (address, np.dtype(dtype).str, dims, strides_bytes, box)
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
@@ -49,8 +50,6 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
             return hit
     drv = driver()
     rank = len(dims)
-    swizzle = (drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b
-               else drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)
     tensor_map = check(drv.cuTensorMapEncodeTiled(
         _data_type(dtype), rank, address,
         [drv.cuuint64_t(d) for d in dims],
@@ -58,7 +57,7 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
         [drv.cuuint32_t(b) for b in box],
         [drv.cuuint32_t(1)] * rank,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        swizzle,
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     ))
@@ -71,7 +70,7 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
 
 
 def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
-               box_rows: int = 64, box_cols: int = 64, swizzle_128b: bool = True) -> bytes:
+               box_rows: int = 64, box_cols: int = 64) -> bytes:
     """Tensor map of a 4-D array ``[outer][rows][heads][cols]`` (last dim contiguous) at
     ``address``, given its shape and byte strides.
 
@@ -82,4 +81,4 @@ def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
     outer, rows, heads, cols = shape
     s_outer, s_rows, s_heads, _ = strides_bytes
     return encode_tiled(address, dtype, (cols, rows, heads, outer), (s_rows, s_heads, s_outer),
-                        (box_cols, box_rows, 1, 1), swizzle_128b)
+                        (box_cols, box_rows, 1, 1))

@@ -310,12 +310,13 @@ class FakeLaunch:
 class FakeKernel:
     """``launch.Kernel`` without a GPU: launches are recorded, nothing is compiled."""
 
-    def __init__(self, launches: list):
+    def __init__(self, launches: list, program):
         self._launches = launches
+        self.program = program
 
     def prepare(self, grid, block, params_type, **options):
         launch = FakeLaunch(params_type, self._launches)
-        launch.grid, launch.block, launch.options = grid, block, options
+        launch.grid, launch.block, launch.options, launch.program = grid, block, options, self.program
         return launch
 
     def launch(self, grid, block, params, **options):
@@ -339,7 +340,7 @@ class FakeGPU:
         monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes", self.pointer_attributes)
         monkeypatch.setattr(cupy, "asnumpy", lambda arr: self.arrays.host[id(arr)])
         monkeypatch.setattr(driver, "device_properties", lambda device_id: self.props)
-        monkeypatch.setattr(launch, "get_kernel", lambda program, *args, **kwargs: FakeKernel(self.launches))
+        monkeypatch.setattr(launch, "get_kernel", lambda program, *args, **kwargs: FakeKernel(self.launches, program))
         monkeypatch.setattr(errors, "record", lambda device_id: FakeRecord())
         monkeypatch.setattr(mla, "_plans", OrderedDict())     # plans built on fakes must not outlive the test
         monkeypatch.setattr(mla, "_metadata_launches", {})
@@ -800,10 +801,10 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
 @pytest.mark.parametrize("page", [1, 64, 256])
 def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, fake_gpu, monkeypatch):
     # FP8_CASES differ from these arguments in one argument only. The cache's bytes are staged
-    # by TMA (a byte map without swizzle, boxes of one piece's rows of 128 bytes); k_scale's address
-    # goes to the kernel. An e4m3 q: its bytes staged by a byte map too (rows of one tile's 64
-    # bytes), q_scale's address in the kernel's parameters (else 0), out bf16.
-    from flashmla_cupy import tma
+    # by TMA (a byte map, boxes of one piece's rows of 128 bytes); k_scale's address goes to the
+    # kernel. An e4m3 q: the kernel of its own (FP8 WGMMA), its bytes staged by a byte map too
+    # (boxes of 64 rows of 128 bytes), q_scale's address in the kernel's parameters (else 0), out bf16.
+    from flashmla_cupy import programs, tma
 
     maps = []
     monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: maps.append((args, kwargs)) or bytes(128))
@@ -822,16 +823,17 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, fake_g
     assert p.q_scale == (args["q_scale"].data.ptr if e4m3_q else 0)
     assert (p.page_block_size, p.page_shift, p.cache_block_stride) == (page, page.bit_length() - 1, page * 576)
     assert splitkv.block[0] == 384 and "cluster_x" not in splitkv.options
+    assert splitkv.program == programs.splitkv_program(programs.FP8_Q_TAG if e4m3_q else programs.FP8_TAG)
     (q_address, q_dtype, q_shape, q_strides), q_kwargs = maps[-2]
     assert (q_address, q_shape) == (args["q"].data.ptr, (B, S_Q * H_Q, 1, 576))
     if e4m3_q:
         assert np.dtype(q_dtype) == np.uint8 and q_strides == (S_Q * H_Q * 576, 576, S_Q * H_Q * 576, 1)
-        assert q_kwargs == {"box_rows": 64, "box_cols": 64, "swizzle_128b": False}
+        assert q_kwargs == {"box_rows": 64, "box_cols": 128}
     else:
         assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64}
     (address, dtype, shape, strides), kwargs = maps[-1]
     assert (address, np.dtype(dtype), shape) == (args["k_cache"].data.ptr, np.uint8, (NUM_BLOCKS, page, 1, 576))
-    assert kwargs == {"box_rows": min(page, 64), "box_cols": 128, "swizzle_128b": False}
+    assert kwargs == {"box_rows": min(page, 64), "box_cols": 128}
     assert (p.o, p.lse, combine.params.o) == (out.data.ptr, lse.data.ptr, out.data.ptr)
 
 

@@ -1436,7 +1436,7 @@ def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsy
     argv = ["profile", "--dtype", "fp8", "--seqlens", "128", "--heads", "16", "--s-q", "1,2", "--varlen", "off",
             "--baseline", "flash_mla", "--check", "--csv", str(csv_path), "--json", str(json_path)]
     assert _cli_with_a_stand_in_gpu(monkeypatch, argv + (["--q-dtype", q_dtype] if q_dtype else [])) == 0
-    assert built == [("mla", "fp8")]
+    assert built == [("mla", "fp8", q_dtype)]
     out = capsys.readouterr().out
     assert f"MLA decoding, q {q_text}, FP8 cache (576 B/token, one scale), causal, h_kv 1" in out
     assert "skipped flash_mla at 2 of 2 shapes: FlashMLA has no dense FP8 decoding on Hopper" in out
@@ -1509,6 +1509,7 @@ def test_a_profile_prebuilds_the_programs_it_launches():
                      "sparse": ["splitkv_mla<fp8_sparse>", "mla_combine<bf16>", "mla_metadata"]}
     fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV kernel, bf16 out
     assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "mla_combine<bf16>", "mla_metadata"]
+    assert [p.name for p in build.profile_programs("mla", "fp8", "fp8")][0] == "splitkv_mla<fp8q>"   # e4m3 q
     assert build.profile_programs("attention") == build.collect_programs("attention")
     registry = build.collect_programs()
     assert all(p in registry for kind in ("mla", "sparse") for p in build.profile_programs(kind))

@@ -7,6 +7,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/sync.cuh"
+#include "mla/fp8_staged.cuh"
 #include "mla/splitkv_traits.cuh"
 
 namespace flashmla {
@@ -30,10 +31,11 @@ __device__ __forceinline__ auto smem_v_half(typename T::Element* page) {
     return local_tile(v, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));
 }
 
-// Issue C (+)= A B over all K-blocks of the fragments as one WGMMA batch (arrive ... commit).
+// Issue C (+)= A B over the first `k_blocks` K-blocks of the fragments (-1: all) as one WGMMA
+// batch (arrive ... commit).
 template <typename Mma, typename FragA, typename FragB, typename FragC>
 __device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB const& b, FragC& c,
-                                            bool zero_init) {
+                                            bool zero_init, int k_blocks = -1) {
     constexpr bool kRegA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
     if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
     warpgroup_fence_operand(c);
@@ -41,6 +43,7 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB cons
     mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(a); ++k) {
+        if (k == k_blocks) break;
         cute::gemm(mma, a(_, _, k), b(_, _, k), c);
         mma.accumulate_ = GMMA::ScaleOut::One;
     }
@@ -89,6 +92,33 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
             wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sq + tile * kTileElems)),
                         thr.partition_fragment_B(k_tile), s, kFresh && i == 0);
         }
+    }
+}
+
+// An e4m3 q: S (+)= Q K^T over the staged boxes kFirst .. kFirst + kCount - 1 of Q (`sq`) and of
+// the page (fp8_staged.cuh) once its bytes are in (`bar_staged`), one FP8 WGMMA batch per box;
+// box 4 (RoPE) takes only the k-steps of its 64 values, the rest being zero fill.
+template <typename T, int kFirst, int kCount, bool kFresh, typename FragS>
+__device__ __forceinline__ void qk_staged(const void* sq, const void* page, uint32_t bar_staged,
+                                          uint32_t phase, FragS& s, int idx_in_wg) {
+    using E4m3 = cutlass::float_e4m3_t;
+    mbarrier_wait(bar_staged, phase);
+    typename T::MmaQKE4m3 mma;
+    auto thr = mma.get_slice(idx_in_wg);
+    // The descriptors of all 18 k-steps of a page are loop-invariant: kept from one page to the
+    // next, they spilled (88 B).
+    const E4m3* q = computed_here(static_cast<const E4m3*>(sq));
+    const E4m3* k = computed_here(static_cast<const E4m3*>(page));
+    CUTE_UNROLL
+    for (int i = 0; i < kCount; ++i) {
+        const int box = kFirst + i;
+        auto q_box = make_tensor(make_smem_ptr(q + box * kStagedBoxBytes), typename T::SmemLayoutStagedBox{});
+        auto k_box = make_tensor(make_smem_ptr(k + staged_box_offset(box)),
+                                 typename T::SmemLayoutStagedBox{});
+        auto frag_q = thr.partition_fragment_A(q_box);
+        const int values = min(kFp8StagedRowBytes, kHeadDimK - box * kFp8StagedRowBytes);
+        wgmma_batch(mma, frag_q, thr.partition_fragment_B(k_box), s, kFresh && i == 0,
+                    size<2>(frag_q) * values / kFp8StagedRowBytes);
     }
 }
 

@@ -20,7 +20,9 @@
 // FP8 forms (T::kProducer), 384 threads: a third warpgroup fills the page buffers with fp16
 // values. The dense FP8 cache (KVCache::kFp8): the requests, pages and seesaw above; TMA stages
 // each page's e4m3 bytes inside its own page buffer where the seesaw has freed it, and the third
-// warpgroup expands them in place (fp8_expand.cuh); the scale multiplies the scores and O.
+// warpgroup expands them in place (fp8_expand.cuh); the scale multiplies the scores and O. With an
+// e4m3 q (T::kE4m3Q), Q is staged the same way and QK^T is an FP8 WGMMA on the staged bytes;
+// only V is expanded, and P V waits for its tiles.
 // Sparse decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a
 // page 64 of its indices; the third warpgroup gathers and dequantizes the tokens
 // (fp8_producer.cuh) for consumers of another schedule (fp8_consumers.cuh), and with two
@@ -180,7 +182,7 @@ struct SplitKVCta {
     __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
 
     // FP8 caches: Q, loaded as bf16, becomes fp16 in place (one pass per request); the sparse
-    // cache's RoPE tile stays bf16. (An e4m3 q: expand_staged_q.)
+    // cache's RoPE tile stays bf16. (An e4m3 q stays as staged.)
     __device__ __forceinline__ void q_to_fp16() const {
         uint4* chunks = reinterpret_cast<uint4*>(st.q);
         constexpr int kChunks = (T::kSparse ? kTilesV : kTilesK) * kTileElems * 2 / 16;
@@ -198,19 +200,17 @@ struct SplitKVCta {
         consumer_sync<T>();
     }
 
-    // Issued by one thread: all of Q for `req` (9 tiles) on bar_q. (Dense FP8 cache with an
-    // e4m3 q, p.q_scale set: its bytes, staged for expand_staged_q.)
+    // Issued by one thread: all of Q for `req` (9 tiles) on bar_q. (An e4m3 q: its bytes as
+    // staged boxes, fp8_staged.cuh.)
     __device__ __forceinline__ void load_q(int req) const {
-        if constexpr (T::kCache == KVCache::kFp8) {
-            if (p.q_scale != nullptr) {
-                mbarrier_arrive_expect_tx(bar_q, kTilesK * kQStagedTileBytes);
-                CUTE_UNROLL
-                for (int t = 0; t < kTilesK; ++t) {
-                    tma_load_4d(&p.tma_q, bar_q, smem_u32(st.q) + kQStagedOffset + t * kQStagedTileBytes,
-                                t * kTileCols, m_block * kBlockM, kv_head, req, L2Hint::kEvictFirst);
-                }
-                return;
+        if constexpr (T::kE4m3Q) {
+            mbarrier_arrive_expect_tx(bar_q, kStagedPageBytes);
+            CUTE_UNROLL
+            for (int box = 0; box < kStagedBoxes; ++box) {
+                tma_load_4d(&p.tma_q, bar_q, smem_u32(st.q) + box * kStagedBoxBytes, box * kFp8StagedRowBytes,
+                            m_block * kBlockM, kv_head, req, L2Hint::kEvictFirst);
             }
+            return;
         }
         mbarrier_arrive_expect_tx(bar_q, kTilesK * kTileBytes);
         CUTE_UNROLL
@@ -273,27 +273,49 @@ struct SplitKVCta {
         }
     }
 
+    // An e4m3 q: P V waits for the expander's tiles of V half `kHalf` of the page in kv[buf];
+    // bit b of `v_phases` is buffer b's phase (each warpgroup reads half of every page's V).
+    template <int kHalf>
+    __device__ __forceinline__ void wait_expanded(int buf, uint32_t& v_phases) const {
+        if constexpr (T::kE4m3Q) {
+            const uint32_t bar = computed_here(buf ? bar_kv1 : bar_kv0);   // not kept for every tile
+            CUTE_UNROLL
+            for (int t = 4 * kHalf; t < 4 * kHalf + 4; ++t) mbarrier_wait(bar + t * 8, (v_phases >> buf) & 1);
+            v_phases ^= 1u << buf;
+        }
+    }
+
+    // An e4m3 q: this warpgroup's QK^T (complete) has read the staged page in kv[buf].
+    __device__ __forceinline__ void staged_read_done(int buf) const {
+        if constexpr (T::kE4m3Q) {
+            if (idx % 32 == 0) mbarrier_arrive(k_read_barrier(st, buf));
+        }
+    }
+
     // Zero the V half `kHalf` of tokens >= `valid` in a page buffer: their cache slots may hold
     // anything (NaN), and 0 * NaN would leak into O although their P is 0. A swizzled row stays
-    // within its own 128 bytes, so whole rows of each tile are cleared.
+    // within its own 128 bytes, so whole rows of each tile are cleared. (The dense FP8 cache's
+    // expander writes those rows as zeros.)
     template <int kHalf>
     __device__ __forceinline__ void zero_invalid_v_rows(Element* page, int valid) const {
-        valid = max(valid, 0);
-        constexpr int kChunksPerRow = 4 * 8;              // 4 tiles x 8 chunks of 16 bytes
-        for (int i = idx; i < (kBlockN - valid) * kChunksPerRow; i += 128) {
-            const int row = valid + i / kChunksPerRow;
-            const int tile = kHalf * 4 + (i / 8) % 4;
-            reinterpret_cast<uint4*>(page + tile * kTileElems + row * kTileCols)[i % 8] = make_uint4(0, 0, 0, 0);
+        if constexpr (!T::kProducer) {
+            valid = max(valid, 0);
+            constexpr int kChunksPerRow = 4 * 8;          // 4 tiles x 8 chunks of 16 bytes
+            for (int i = idx; i < (kBlockN - valid) * kChunksPerRow; i += 128) {
+                const int row = valid + i / kChunksPerRow;
+                const int tile = kHalf * 4 + (i / 8) % 4;
+                reinterpret_cast<uint4*>(page + tile * kTileElems + row * kTileCols)[i % 8] = make_uint4(0, 0, 0, 0);
+            }
+            fence_smem_for_async_proxy();
+            named_barrier_sync(6 + wg, 128);
         }
-        fence_smem_for_async_proxy();
-        named_barrier_sync(6 + wg, 128);
     }
 
     // Warpgroup 0 on the page pair (page, page + 1). kLast0: `page` is the last page;
     // kLast1: page + 1 is. On entry s holds S0 = Q K0^T; on exit, that of page + 2.
     template <bool kLast0, bool kLast1, typename FragS, typename FragO, typename FragQ8>
     __device__ __forceinline__ void wg0_step(int page, FragS& s, FragO& o, FragQ8 const& q8, RowState& rows,
-                             uint32_t& phase0) const {
+                             uint32_t& phase0, uint32_t& v_phases) const {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
         const int first_token = page * kBlockN;
@@ -310,6 +332,7 @@ struct SplitKVCta {
 
         wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, seesaw_scale_log2(), first_token, idx);
         named_barrier_arrive(int(WgBarrier::kScale0Ready), 256);
+        wait_expanded<0>(0, v_phases);
         if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
         pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
         warpgroup_wait<0>();
@@ -326,29 +349,40 @@ struct SplitKVCta {
         named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
 
         if constexpr (!kLast0) {
+            wait_expanded<0>(1, v_phases);
             if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kBlockN);
             named_barrier_sync(int(WgBarrier::kP1Issued), 256);
             wg0_rescale_o(o, rows, scale1);
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
         }
         if constexpr (!kLast0 && !kLast1) {
-            // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
-            qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
+            // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5;
+            // an e4m3 q: boxes 0-3, then 4).
+            if constexpr (T::kE4m3Q) {
+                qk_staged<T, 0, 4, true>(st.q, k0, smem_u32(&st.bar_staged[0]), phase0, s, idx);
+            } else {
+                qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
+            }
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
                 if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
-            qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
+            if constexpr (T::kE4m3Q) {
+                qk_staged<T, 4, 1, false>(st.q, k0, smem_u32(&st.bar_staged[0]), phase0, s, idx);
+            } else {
+                qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
+            }
             phase0 ^= 1;
         }
         warpgroup_wait<0>();
+        if constexpr (!kLast0 && !kLast1) staged_read_done(0);
     }
 
     // Warpgroup 1 on the page pair (page, page + 1); kLast2: page + 2 is the last page.
     // On entry s holds S1 = Q K1^T (unless kLast0); on exit, that of page + 3.
     template <bool kLast0, bool kLast1, bool kLast2, typename FragS, typename FragO, typename FragQ8>
     __device__ __forceinline__ void wg1_step(int page, FragS& s, FragO& o, FragQ8 const& q8, RowState& rows,
-                             uint32_t& phase1) const {
+                             uint32_t& phase1, uint32_t& v_phases) const {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
         const int first_token = (page + 1) * kBlockN;
@@ -368,11 +402,13 @@ struct SplitKVCta {
 
         if constexpr (!kLast0) {
             store_p<T>(pb, p1_buf(), idx);
+            wait_expanded<1>(1, v_phases);
             if constexpr (kLast1) zero_invalid_v_rows<1>(k1, seqlen - first_token);
             pv_reg_p<T, 1>(pb, k1, o, idx);                      // O_R += P1 V1_R
             fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
         }
         named_barrier_sync(int(WgBarrier::kP0Ready), 256);
+        wait_expanded<1>(0, v_phases);
         if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kBlockN);
         pv_smem_p<T, 1>(st.p0, k0, o, idx);                       // O_R += P0 V0_R
         if constexpr (!kLast0) named_barrier_arrive(int(WgBarrier::kP1Issued), 256);
@@ -386,48 +422,77 @@ struct SplitKVCta {
             refill_v_right(0, page + 2, next_id0);
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
-            qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, k1, bar_kv1, phase1, q8, s, idx);
+            qk_page(1, phase1, q8, s);
             phase1 ^= 1;
         }
         // Kept outside the branches above: a wait inside them makes ptxas serialize the WGMMAs.
         warpgroup_wait<0>();
+        if constexpr (!kLast0 && !kLast1 && !kLast2) staged_read_done(1);
+    }
+
+    // S = Q K^T of the whole page in kv[buf] (warpgroup 1's order), issued as its tiles arrive
+    // (an e4m3 q: once its bytes are staged).
+    template <typename FragQ8, typename FragS>
+    __device__ __forceinline__ void qk_page(int buf, uint32_t phase, FragQ8 const& q8, FragS& s) const {
+        if constexpr (T::kE4m3Q) {
+            qk_staged<T, 0, kStagedBoxes, true>(st.q, page_buf(buf), smem_u32(&st.bar_staged[buf]), phase, s, idx);
+        } else {
+            qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, page_buf(buf), buf ? bar_kv1 : bar_kv0, phase, q8, s, idx);
+        }
+    }
+
+    // Q's tile 8 for qk_tiles: in registers (p1_buf is warpgroup 1's P), or, for an e4m3 q, not
+    // used (Q stays staged in sQ).
+    __device__ __forceinline__ auto rope_tile_of_q() const {
+        if constexpr (T::kE4m3Q) {
+            return RopeTileInSmem{};
+        } else {
+            Tensor q8 = make_tensor<Rope>(typename T::LayoutFragA{});
+            load_a_tile<T, Rope>(reinterpret_cast<Rope*>(p1_buf()), q8, idx);
+            return q8;
+        }
     }
 
     // Pages [first_page, end_page) of the current request; O and the row sums accumulate.
     template <typename FragO>
     __device__ __forceinline__ void mainloop(int first_page, FragO& o, RowState& rows, uint32_t& phase0,
-                             uint32_t& phase1) const {
-        Tensor q8 = make_tensor<Rope>(typename T::LayoutFragA{});
-        load_a_tile<T, Rope>(reinterpret_cast<Rope*>(p1_buf()), q8, idx);
+                             uint32_t& phase1, uint32_t& v_phases) const {
+        const auto q8 = rope_tile_of_q();
         Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
         int page = first_page;
         if (wg == 0) {
-            qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
+            if constexpr (T::kE4m3Q) {
+                qk_page(0, phase0, q8, s);
+            } else {
+                qk_full_page<T>(st.q, page_buf(0), bar_kv0, phase0, s, idx);
+            }
             phase0 ^= 1;
             named_barrier_sync(int(WgBarrier::kRowMaxInit), 128);
             warpgroup_wait<0>();
+            staged_read_done(0);
             #pragma unroll 1
-            for (; page < end_page - 2; page += 2) wg0_step<false, false>(page, s, o, q8, rows, phase0);
+            for (; page < end_page - 2; page += 2) wg0_step<false, false>(page, s, o, q8, rows, phase0, v_phases);
             if (page + 1 < end_page) {
-                wg0_step<false, true>(page, s, o, q8, rows, phase0);
+                wg0_step<false, true>(page, s, o, q8, rows, phase0, v_phases);
             } else if (page < end_page) {
-                wg0_step<true, false>(page, s, o, q8, rows, phase0);
+                wg0_step<true, false>(page, s, o, q8, rows, phase0, v_phases);
             }
         } else {
             if (page + 1 < end_page) {
-                qk_tiles<T, kWg1FirstTile, kTilesK, true>(st.q, page_buf(1), bar_kv1, phase1, q8, s, idx);
+                qk_page(1, phase1, q8, s);
                 phase1 ^= 1;
                 warpgroup_wait<0>();
+                staged_read_done(1);
             }
             #pragma unroll 1
-            for (; page < end_page - 3; page += 2) wg1_step<false, false, false>(page, s, o, q8, rows, phase1);
+            for (; page < end_page - 3; page += 2) wg1_step<false, false, false>(page, s, o, q8, rows, phase1, v_phases);
             if (page + 2 < end_page) {
-                wg1_step<false, false, true>(page, s, o, q8, rows, phase1);
-                wg1_step<true, false, false>(page + 2, s, o, q8, rows, phase1);
+                wg1_step<false, false, true>(page, s, o, q8, rows, phase1, v_phases);
+                wg1_step<true, false, false>(page + 2, s, o, q8, rows, phase1, v_phases);
             } else if (page + 1 < end_page) {
-                wg1_step<false, true, false>(page, s, o, q8, rows, phase1);
+                wg1_step<false, true, false>(page, s, o, q8, rows, phase1, v_phases);
             } else if (page < end_page) {
-                wg1_step<true, false, false>(page, s, o, q8, rows, phase1);
+                wg1_step<true, false, false>(page, s, o, q8, rows, phase1, v_phases);
             }
         }
     }
@@ -438,6 +503,7 @@ struct SplitKVCta {
     template <int kRole>
     __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
+        uint32_t v_phases = 0;                           // an e4m3 q: wait_expanded
         uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
         // Which bad_request flag is this request's: the loads run one request ahead (req & 1).
         // (Sparse requests are never bad.)
@@ -447,9 +513,8 @@ struct SplitKVCta {
         }
         // The FP8 caches' scale multiplies the scores (here) and O (output_factors); an e4m3 q's, the scores.
         float scale_log2 = p.scale_log2;
-        if constexpr (T::kCache == KVCache::kFp8) {
-            scale_log2 *= *p.kv_scale * (p.q_scale != nullptr ? *p.q_scale : 1.0f);
-        }
+        if constexpr (T::kCache == KVCache::kFp8) scale_log2 *= *p.kv_scale;
+        if constexpr (T::kE4m3Q) scale_log2 *= *p.q_scale;
         fp8_scale_log2 = scale_log2;
 
         #pragma unroll 1
@@ -478,15 +543,7 @@ struct SplitKVCta {
             if (T::kSeesaw && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
             mbarrier_wait(bar_q, (req - begin_req) & 1);   // Q's phase from the count: one register less
-            if constexpr (T::kCache == KVCache::kFp8) {
-                if (p.q_scale != nullptr) {
-                    expand_staged_q<T>(st, threadIdx.x);
-                } else {
-                    q_to_fp16();
-                }
-            } else if constexpr (T::kProducer) {
-                q_to_fp16();
-            }
+            if constexpr (T::kProducer && !T::kE4m3Q) q_to_fp16();
             if constexpr (T::kSparse) {
                 if constexpr (kRole == 0) {
                     float row_max[2] = {kRowMaxInit, kRowMaxInit};
@@ -500,7 +557,7 @@ struct SplitKVCta {
                     fp8_values_pages<T>(st, span.first_page, span.end_page, o, idx);
                 }
             } else if (span.first_page < span.end_page) {
-                mainloop(span.first_page, o, rows, phase0, phase1);
+                mainloop(span.first_page, o, rows, phase0, phase1, v_phases);
             }
 
             // FP8 caches: the epilogue's coordinates read afresh (thread_index_here); the 16-bit
@@ -550,10 +607,10 @@ struct SplitKVCta {
     }
 };
 
-template <typename Element, KVCache kCache>
+template <typename Element, KVCache kCache, bool kE4m3Q = false>
 __global__ void __launch_bounds__(SplitKVTraits<Element, kCache>::kThreads, 1)
 splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
-    using T = SplitKVTraits<Element, kCache>;
+    using T = SplitKVTraits<Element, kCache, kE4m3Q>;
     constexpr bool kSparse = T::kSparse, kProducer = T::kProducer;
     extern __shared__ __align__(1024) unsigned char smem[];
     auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);
@@ -626,7 +683,8 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
                     const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
                     #pragma unroll 1
                     for (int page = span.first_page; page < span.end_page; ++page) {
-                        expander.expand_page((page - span.first_page) & 1, page - span.first_page);
+                        expander.expand_page((page - span.first_page) & 1, page - span.first_page,
+                                             span.seqlen - page * kBlockN);
                     }
                 }
             }

@@ -27,10 +27,14 @@ enum class KVCache : int {
 // bf16. The sparse cache keeps its RoPE part in bf16, so that tile of Q stays bf16; the dense
 // FP8 cache's RoPE part is e4m3 like the rest. Its scale multiplies the scores and O instead of
 // every value.
-template <typename Element_, KVCache kCache_ = KVCache::k16Bit>
+// kE4m3Q_ (dense FP8 cache only): q holds e4m3 values; QK^T is an FP8 WGMMA on Q's and each
+// page's staged bytes (fp8_staged.cuh), and only V is expanded.
+template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false>
 struct SplitKVTraits {
     using Element = Element_;                  // Q, K, V, P (the NoPE part, for kFp8Sparse)
     static constexpr KVCache kCache = kCache_;
+    static constexpr bool kE4m3Q = kE4m3Q_;
+    static_assert(!kE4m3Q || kCache == KVCache::kFp8, "an e4m3 q: the dense FP8 cache only");
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
@@ -52,10 +56,12 @@ struct SplitKVTraits {
     // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
     // gives (384 x 168). Sparse: the scores warpgroup holds S, P and O_L, the values warpgroup only
     // O_R, and the producer a half page's loads per round in flight. Dense: the seesaw's two
-    // warpgroups as in the 16-bit kernel, and an expander that holds two chunks at a time.
-    static constexpr int kScoresRegs = kSparse ? 192 : 232;
-    static constexpr int kValuesRegs = kSparse ? 160 : 232;
-    static constexpr int kProducerRegs = kSparse ? 152 : 40;
+    // warpgroups as in the 16-bit kernel, and an expander that holds two chunks at a time. An e4m3
+    // q: no Q tile in registers, and an expander with one more barrier to wait for (at 232 / 232 /
+    // 40 it spilled 44 B, at 224 / 224 / 56 24 B: docs/perf-notes.md section 17).
+    static constexpr int kScoresRegs = kSparse ? 192 : kE4m3Q ? 224 : 232;
+    static constexpr int kValuesRegs = kSparse ? 160 : kE4m3Q ? 224 : 232;
+    static constexpr int kProducerRegs = kSparse ? 152 : kE4m3Q ? 56 : 40;
     static_assert(!kProducer || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
@@ -74,6 +80,10 @@ struct SplitKVTraits {
     using MmaQKRope = decltype(make_tiled_mma(       // FP8 caches: the RoPE tile of Q from shared memory
         GMMA::ss_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
+    // An e4m3 q: S = Q K^T over one staged box of Q and of K (64 rows x 128 e4m3 values each).
+    using MmaQKE4m3 = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<cutlass::float_e4m3_t, cutlass::float_e4m3_t, float,
+                             Shape<BlockM, Page, Int<kFp8StagedRowBytes>>, GMMA::Major::K, GMMA::Major::K>()));
     // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
     // memory (the other warpgroup's page); V is the cache tile read MN-major.
     using MmaPVRegP = decltype(make_tiled_mma(
@@ -89,6 +99,9 @@ struct SplitKVTraits {
     // 64 rows x 576 columns = 9 such tiles back to back (Q, and each K page).
     using SmemLayoutRows = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                   Shape<Int<64>, DimK>{}));
+    // A staged box (fp8_staged.cuh): 64 rows x 128 e4m3 values, 128-byte swizzle.
+    using SmemLayoutStagedBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::float_e4m3_t>{},
+                                                       Shape<Int<64>, Int<kFp8StagedRowBytes>>{}));
     // The same page seen as V^T: (512 columns, 64 tokens).
     using SmemLayoutV = decltype(composition(
         SmemLayoutRows{}, make_layout(Shape<Int<kHeadDimV>, Page>{}, GenRowMajor{})));
@@ -110,7 +123,8 @@ struct SplitKVTraits {
         float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
         int bad_request[2];              // a bad block id was seen (NaN output); slots: run_requests
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
-        uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full)
+        uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full;
+                                         // an e4m3 q: tile 8's is k_read_barrier)
         uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled (dense: its V_R)
         uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
@@ -121,6 +135,14 @@ struct SplitKVTraits {
 #endif
     static_assert(sizeof(SharedStorage) == FLASHMLA_SPLITKV_SMEM_BYTES, "host and device shared-memory sizes differ");
 };
+
+// An e4m3 q: tile 8 (RoPE) of a page is never expanded; its barrier instead completes when the
+// four warps whose QK^T read the page's staged boxes are done (the expander may then write V's
+// tiles 0-3 over them).
+template <typename Storage>
+__device__ __forceinline__ uint32_t k_read_barrier(Storage& st, int buf) {
+    return smem_u32(&st.bar_kv[buf][kTilesK - 1]);
+}
 
 // Named barriers between the two warpgroups (0 is __syncthreads).
 enum class WgBarrier : int {

@@ -133,18 +133,20 @@ def records(cubins: list) -> list[dict]:
     return out
 
 
-def profile_programs(kind: str, dtype_tag: str = "bf16") -> list:
+def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = None) -> list:
     """The programs a profile launches: for MLA the split-KV kernel of the cache's dtype (the
-    profile's dtype names are the registry's tags: bf16, fp16, fp8; the FP8 one reads bf16 and e4m3
-    q alike), the combine kernel of out's dtype (bf16 over the FP8 cache) and the metadata kernel;
-    for sparse decoding the sparse FP8 split-KV kernel with the bf16 combine and the metadata
-    kernel; for attention the minimal FlashAttention's."""
+    profile's dtype names are the registry's tags: bf16, fp16, fp8; over the FP8 cache an e4m3 q,
+    ``q_dtype`` fp8, has a kernel of its own), the combine kernel of out's dtype (bf16 over the FP8
+    cache) and the metadata kernel; for sparse decoding the sparse FP8 split-KV kernel with the
+    bf16 combine and the metadata kernel; for attention the minimal FlashAttention's."""
     from .. import programs
-    from .shapes import out_dtype
+    from .shapes import FP8_Q, out_dtype
     if kind == "attention":
         return collect_programs("attention")
     splitkv_tag, out_tag = ((programs.SPARSE_FP8_TAG, "bf16") if kind == "sparse"
                             else (dtype_tag, out_dtype(dtype_tag)))
+    if splitkv_tag == programs.FP8_TAG and q_dtype == FP8_Q:
+        splitkv_tag = programs.FP8_Q_TAG
     return [programs.splitkv_program(splitkv_tag), programs.combine_program(out_tag), programs.metadata_program()]
 
 

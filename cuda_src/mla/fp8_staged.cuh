@@ -1,0 +1,35 @@
+// Where TMA stages a dense FP8 page's e4m3 bytes inside its page buffer, and an e4m3 Q's inside
+// Q's buffer: boxes of 64 rows x 128 bytes with TMA's 128-byte swizzle.
+//
+// A page buffer holds nine 8 KB tiles (64 rows x 64 fp16 values, 128-byte swizzle). The staged
+// page is five 8 KB boxes: box d < 4 holds the values of tiles 2d and 2d + 1 (bytes 0-63 and
+// 64-127 of each row) in tile d's space; box 4 holds the RoPE part (bytes 0-63; the rest is
+// TMA's zero fill past the 576-byte row) in tile 8's space. Rows of 128 bytes put every row of
+// any piece of a page on the 128-byte boundary TMA needs, and the swizzle (a function of the
+// shared address, so pieces of a few rows keep it) makes each box a K-major operand of FP8
+// WGMMA as it stands and spreads the expander's reads over all banks. An e4m3 Q is staged the
+// same way, box b at 8 KB b of Q's buffer.
+#pragma once
+#include <cuda/std/cstdint>
+
+#include "mla/config.cuh"
+
+namespace flashmla {
+
+constexpr uint32_t kFp8TileBytes = 64 * kTileCols * 2;                  // an expanded (fp16) tile
+constexpr uint32_t kStagedBoxBytes = 64 * kFp8StagedRowBytes;           // one tile's space
+constexpr int kStagedBoxes = (kTilesK + 1) / 2;
+constexpr uint32_t kStagedPageBytes = kStagedBoxes * kStagedBoxBytes;
+static_assert(kFp8StagedRowBytes == 2 * kTileCols && kStagedBoxBytes == kFp8TileBytes, "a box of two tiles' bytes");
+
+// Byte offset of staged box `box` in a page buffer (see above).
+__device__ __forceinline__ constexpr uint32_t staged_box_offset(int box) {
+    return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp8TileBytes;
+}
+
+// Byte offset in a staged box of the 16-byte chunk `chunk` (0-7) of row `row`.
+__device__ __forceinline__ uint32_t staged_chunk_offset(int row, int chunk) {
+    return row * kFp8StagedRowBytes + ((chunk ^ (row % 8)) * 16);
+}
+
+}  // namespace flashmla
