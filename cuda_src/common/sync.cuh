@@ -34,17 +34,13 @@ __device__ __forceinline__ int thread_index_here() {
     return tid;
 }
 
-// `ptr` / `v`, as a value the compiler cannot see through: what is computed from it (WGMMA
-// descriptors, shared addresses) is computed here, not hoisted out of the page loop around it and
-// kept live there, where the FP8 kernels have no register to spare.
+// `ptr`, as a value the compiler cannot see through: what is computed from it (WGMMA
+// descriptors) is computed here, not hoisted out of the page loop around it and kept live there,
+// where the FP8 kernels have no register to spare.
 template <typename E>
 __device__ __forceinline__ E* computed_here(E* ptr) {
     asm volatile("" : "+l"(ptr));
     return ptr;
-}
-__device__ __forceinline__ uint32_t computed_here(uint32_t v) {
-    asm volatile("" : "+r"(v));
-    return v;
 }
 
 // --- mbarrier (transaction barriers that TMA loads complete) ---------------------------------

@@ -278,7 +278,7 @@ struct SplitKVCta {
     template <int kHalf>
     __device__ __forceinline__ void wait_expanded(int buf, uint32_t& v_phases) const {
         if constexpr (T::kE4m3Q) {
-            const uint32_t bar = computed_here(buf ? bar_kv1 : bar_kv0);   // not kept for every tile
+            const uint32_t bar = buf ? bar_kv1 : bar_kv0;
             CUTE_UNROLL
             for (int t = 4 * kHalf; t < 4 * kHalf + 4; ++t) mbarrier_wait(bar + t * 8, (v_phases >> buf) & 1);
             v_phases ^= 1u << buf;
