@@ -34,6 +34,13 @@ __device__ __forceinline__ int thread_index_here() {
     return tid;
 }
 
+// blockIdx.z, read here (volatile), for the same reason.
+__device__ __forceinline__ int block_index_z_here() {
+    int z;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return z;
+}
+
 // `ptr`, as a value the compiler cannot see through: what is computed from it (WGMMA
 // descriptors) is computed here, not hoisted out of the page loop around it and kept live there,
 // where the FP8 kernels have no register to spare.

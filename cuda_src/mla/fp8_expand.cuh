@@ -84,29 +84,29 @@ struct Fp8Expander {
         if (idx == 0) mbarrier_arrive_expect_tx(bar_staged, kStagedPageBytes);
         mbarrier_wait(bar_staged, (phases >> buf) & 1);
         phases ^= 1u << buf;
-        uint4 raw[2];
-        if constexpr (!T::kE4m3Q) {
-            read(buf, kTilesK - 1, valid, raw);
-            everyone_has_read();
-            write(buf, kTilesK - 1, raw);
-        }
-        read(buf, kTilesV - 1, valid, raw);                            // staged: read before V_R is free
-        if (nth >= 2) {
-            mbarrier_wait(smem_u32(&st.bar_free[buf]), (phases >> (2 + buf)) & 1);
-            phases ^= 4u << buf;
-        }
+        // Tiles from the first to expand down to 0, each tile's bytes read while the one before
+        // is written (the reads touch no space a write overwrites before the barrier below it).
+        constexpr int kFirst = T::kE4m3Q ? kTilesV - 1 : kTilesK - 1;
+        uint4 raw[2], next[2];
+        read(buf, kFirst, valid, raw);
         CUTE_UNROLL
-        for (int tile = kTilesV - 1; tile >= 0; --tile) {
+        for (int tile = kFirst; tile >= 0; --tile) {
+            if (tile > 0) read(buf, tile - 1, valid, next);
+            if (tile == kTilesV - 1 && nth >= 2) {               // tiles 7..4 go where V_R was
+                mbarrier_wait(smem_u32(&st.bar_free[buf]), (phases >> (2 + buf)) & 1);
+                phases ^= 4u << buf;
+            }
             if constexpr (T::kE4m3Q) {
                 if (tile == 3) {                                // QK^T has read the boxes
                     mbarrier_wait(k_read_barrier(st, buf), (phases >> (4 + buf)) & 1);
                     phases ^= 16u << buf;
                 }
             }
-            if (tile == 3 || tile == 1) everyone_has_read();    // boxes 3, 2 / 1 are free
-            if (tile < kTilesV - 1) read(buf, tile, valid, raw);
-            if (tile == 0) everyone_has_read();                 // box 0 holds tile 0 too
+            // Box 4 (tile 8's own bytes), boxes 3 and 2, boxes 1 and 0 are read by every thread.
+            if (tile == kTilesK - 1 || tile == 3 || tile == 1) everyone_has_read();
             write(buf, tile, raw);
+            raw[0] = next[0];
+            raw[1] = next[1];
         }
     }
 };

@@ -123,6 +123,8 @@ __device__ __forceinline__ void qk_staged(const void* sq, const void* page, uint
 }
 
 // S = Q K^T over the whole page at once, after all nine tiles arrived (first page of a request).
+// FP8 caches: the descriptors computed here (computed_here), not kept from the prologue (at 224
+// registers NVRTC 13.5 spilled one).
 template <typename T, typename FragS>
 __device__ __forceinline__ void qk_full_page(typename T::Element* sq, typename T::Element* page,
                                              uint32_t bar_page, uint32_t phase, FragS& s,
@@ -135,8 +137,12 @@ __device__ __forceinline__ void qk_full_page(typename T::Element* sq, typename T
     }
     typename T::MmaQK mma;
     auto thr = mma.get_slice(idx_in_wg);
-    wgmma_batch(mma, thr.partition_fragment_A(smem_rows<T>(sq)),
-                thr.partition_fragment_B(smem_rows<T>(page)), s, true);
+    if constexpr (T::kProducer) {
+        sq = computed_here(sq);
+        page = computed_here(page);
+    }
+    wgmma_batch(mma, thr.partition_fragment_A(smem_rows<T>(sq)), thr.partition_fragment_B(smem_rows<T>(page)),
+                s, true);
 }
 
 // O_half += P V_half with P (64 x 64, this warpgroup's page) in registers.

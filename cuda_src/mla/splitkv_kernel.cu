@@ -115,6 +115,30 @@ __device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int 
     return r;
 }
 
+// This CTA's row of the scheduler metadata (`meta`: its address; sched_row_here reads it again).
+struct SchedRow {
+    int4 range;           // begin_req, begin_token, end_req, end_token
+    int end_req;          // range.z, within the batch
+    int begin_split;      // the first split's index of begin_req
+    int topk;             // the topk the metadata was scheduled for (-1: dense)
+};
+
+__device__ __forceinline__ SchedRow sched_row(const SplitKVParams& p, const int* meta) {
+    SchedRow row;
+    row.range = *reinterpret_cast<const int4*>(meta);
+    const int4 kind = *reinterpret_cast<const int4*>(meta + 4);   // begin_split, topk, -, -
+    row.end_req = min(row.range.z, p.batch - 1);
+    row.begin_split = kind.x;
+    row.topk = kind.y;
+    return row;
+}
+
+// The same row read again where it is used, its address computed afresh: nothing of it stays
+// live from the prologue.
+__device__ __forceinline__ SchedRow sched_row_here(const SplitKVParams& p) {
+    return sched_row(p, computed_here(p.sched_meta) + block_index_z_here() * kSchedMetaInts);
+}
+
 template <typename T>
 struct SplitKVCta {
     using Element = typename T::Element;
@@ -460,7 +484,7 @@ struct SplitKVCta {
         const auto q8 = rope_tile_of_q();
         Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
         int page = first_page;
-        if (wg == 0) {
+        if ((T::kProducer ? thread_index_here() / 128 : wg) == 0) {   // FP8: read afresh, as the epilogue's
             if constexpr (T::kE4m3Q) {
                 qk_page(0, phase0, q8, s);
             } else {
@@ -497,11 +521,22 @@ struct SplitKVCta {
         }
     }
 
-    // The scheduler's requests [begin_req, end_req] (range, begin_split: its metadata), from
-    // the first Q load to the last output. kRole: the sparse warpgroup (0 scores, 1 values),
-    // each compiled apart so that ptxas keeps it within its own register budget; -1: dense.
+    // The part's schedule where it is used. The dense FP8 cache reads it again at each use: its
+    // consumers have no register to keep it across the page loop (the e4m3 q's kernel spilled it,
+    // 24 B); the other kernels keep the prologue's (sparse: 8 B of spills if read again).
+    __device__ __forceinline__ SchedRow schedule(const SchedRow& kept) const {
+        if constexpr (T::kCache == KVCache::kFp8) {
+            return sched_row_here(p);
+        } else {
+            return kept;
+        }
+    }
+
+    // The scheduler's requests [begin_req, end_req] (`row`: its metadata), from the first Q load
+    // to the last output. kRole: the sparse warpgroup (0 scores, 1 values), each compiled apart
+    // so that ptxas keeps it within its own register budget; -1: dense.
     template <int kRole>
-    __device__ __forceinline__ void run_requests(int begin_req, int end_req, int4 range, int begin_split) {
+    __device__ __forceinline__ void run_requests(int begin_req, const SchedRow& row) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
         uint32_t v_phases = 0;                           // an e4m3 q: wait_expanded
         uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
@@ -509,7 +544,9 @@ struct SplitKVCta {
         // (Sparse requests are never bad.)
         if (threadIdx.x == 0) load_q(begin_req);
         if constexpr (T::kSeesaw) {
-            if (wg == 0 && loads_piece()) load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, range));
+            if (wg == 0 && loads_piece()) {
+                load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, schedule(row).range));
+            }
         }
         // The FP8 caches' scale multiplies the scores (here) and O (output_factors); an e4m3 q's, the scores.
         float scale_log2 = p.scale_log2;
@@ -518,8 +555,8 @@ struct SplitKVCta {
         fp8_scale_log2 = scale_log2;
 
         #pragma unroll 1
-        for (int req = begin_req; req <= end_req; ++req) {
-            const RequestSpan span = request_span<T>(p, span_m_block, req, range);
+        for (int req = begin_req; req <= schedule(row).end_req; ++req) {
+            const RequestSpan span = request_span<T>(p, span_m_block, req, schedule(row).range);
             RowState rows;
             rows.sum[0] = rows.sum[1] = 0.0f;
             CUTE_UNROLL
@@ -570,12 +607,12 @@ struct SplitKVCta {
             }
             float sums[2];
             reduce_row_sums<T>(rows, st, epilogue_wg, epilogue_idx, sums);   // all warps are past the mainloop
-            if (req < end_req) {
+            if (req < schedule(row).end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
                 if (threadIdx.x == 0) load_q(req + 1);
                 if constexpr (T::kSeesaw) {
                     if (wg == 0 && loads_piece()) {
-                        load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, range));
+                        load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, schedule(row).range));
                     }
                 }
             } else {
@@ -586,7 +623,7 @@ struct SplitKVCta {
             out.kv_head = kv_head;
             out.m_block = m_block;
             out.num_rows = min(p.q_rows - m_block * kBlockM, kBlockM);
-            const long long split = (long long)p.num_splits[req] + (req == begin_req ? begin_split : 0);
+            const long long split = (long long)p.num_splits[req] + (req == begin_req ? schedule(row).begin_split : 0);
             out.split_idx = span.whole ? -1 : static_cast<int>(split);
             const int bad_slot = req & 1;
             out.bad = span.bad || st.bad_request[bad_slot];        // set before reduce_row_sums' barrier
@@ -599,7 +636,7 @@ struct SplitKVCta {
             output_factors<T>(p, st, out, sums, epilogue_idx, inv_sum);
             store_o<T>(p, o, inv_sum, out, epilogue_wg, epilogue_idx);
             store_lse<T>(p, st, out);
-            if (req != end_req) {
+            if (req != schedule(row).end_req) {
                 consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
                 if (threadIdx.x == 0) st.bad_request[bad_slot] = 0;
             }
@@ -645,24 +682,22 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
 
     // Everything below reads what earlier kernels wrote (scheduler metadata, inputs).
     pdl_wait_for_producers();
-    const int* meta = p.sched_meta + blockIdx.z * kSchedMetaInts;
-    const int4 range = *reinterpret_cast<const int4*>(meta);   // begin_req, begin_token, end_req, end_token
-    const int4 kind = *reinterpret_cast<const int4*>(meta + 4);   // begin_split, scheduled topk (-1: dense), -, -
+    const SchedRow row = sched_row(p, p.sched_meta + blockIdx.z * kSchedMetaInts);
+    const int4 range = row.range;
     // Metadata of another kind of call (dense vs sparse, another topk): every CTA of a cluster
     // reads the same row, so all of them return here.
-    if (kind.y != (kSparse ? p.topk : -1)) {
+    if (row.topk != (kSparse ? p.topk : -1)) {
         if (threadIdx.x == 0) {
-            report_error(p.error, FLASHMLA_ERROR_METADATA_KIND, blockIdx.z, 0, kind.y, kSparse ? p.topk : -1);
+            report_error(p.error, FLASHMLA_ERROR_METADATA_KIND, blockIdx.z, 0, row.topk, kSparse ? p.topk : -1);
         }
         return;
     }
-    const int begin_req = range.x, end_req = min(range.z, p.batch - 1);
+    const int begin_req = range.x, end_req = row.end_req;
     if (begin_req >= p.batch) return;                          // an idle part
     if (begin_req < 0 || end_req < begin_req) {                // not this batch's metadata: nothing loaded yet
         if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, begin_req, 0, range.z, p.batch);
         return;
     }
-    const int begin_split = kind.x;
 
     if constexpr (kProducer) {
         if (threadIdx.x >= T::kConsumerThreads) {
@@ -679,8 +714,8 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             } else {
                 Fp8Expander<T> expander(st);
                 #pragma unroll 1
-                for (int req = begin_req; req <= end_req; ++req) {
-                    const RequestSpan span = request_span<T>(p, cta.m_block, req, range);
+                for (int req = begin_req; req <= cta.schedule(row).end_req; ++req) {
+                    const RequestSpan span = request_span<T>(p, cta.m_block, req, cta.schedule(row).range);
                     #pragma unroll 1
                     for (int page = span.first_page; page < span.end_page; ++page) {
                         expander.expand_page((page - span.first_page) & 1, page - span.first_page,
@@ -694,10 +729,10 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         if constexpr (kSparse) {
             if (cta.wg == 0) {
                 warpgroup_claim_registers<T::kScoresRegs>();
-                cta.template run_requests<0>(begin_req, end_req, range, begin_split);
+                cta.template run_requests<0>(begin_req, row);
             } else {
                 warpgroup_release_registers<T::kValuesRegs>();
-                cta.template run_requests<1>(begin_req, end_req, range, begin_split);
+                cta.template run_requests<1>(begin_req, row);
             }
         } else {
             if (cta.wg == 0) {
@@ -705,11 +740,11 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             } else {
                 warpgroup_claim_registers<T::kValuesRegs>();
             }
-            cta.template run_requests<-1>(begin_req, end_req, range, begin_split);
+            cta.template run_requests<-1>(begin_req, row);
         }
         cluster_sync();
     } else {
-        cta.template run_requests<-1>(begin_req, end_req, range, begin_split);
+        cta.template run_requests<-1>(begin_req, row);
     }
 }
 

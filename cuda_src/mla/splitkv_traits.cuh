@@ -56,12 +56,12 @@ struct SplitKVTraits {
     // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
     // gives (384 x 168). Sparse: the scores warpgroup holds S, P and O_L, the values warpgroup only
     // O_R, and the producer a half page's loads per round in flight. Dense: the seesaw's two
-    // warpgroups as in the 16-bit kernel, and an expander that holds two chunks at a time. An e4m3
-    // q: no Q tile in registers, and an expander with one more barrier to wait for (at 232 / 232 /
-    // 40 it spilled 44 B, at 224 / 224 / 56 24 B: docs/perf-notes.md section 17).
-    static constexpr int kScoresRegs = kSparse ? 192 : kE4m3Q ? 224 : 232;
-    static constexpr int kValuesRegs = kSparse ? 160 : kE4m3Q ? 224 : 232;
-    static constexpr int kProducerRegs = kSparse ? 152 : kE4m3Q ? 56 : 40;
+    // warpgroups as in the 16-bit kernel, and an expander that holds two tiles' chunks (the next
+    // tile's read while one is written: at 40 registers their offsets spilled, recomputed per tile
+    // they cost 5-10 %; docs/perf-notes.md section 18).
+    static constexpr int kScoresRegs = kSparse ? 192 : 224;
+    static constexpr int kValuesRegs = kSparse ? 160 : 224;
+    static constexpr int kProducerRegs = kSparse ? 152 : 56;
     static_assert(!kProducer || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
