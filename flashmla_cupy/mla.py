@@ -146,9 +146,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         k_scale: float32 GPU array of one element (shape () or (1,)), read by the kernel (so it
             may change between calls, and CUDA graphs replay its current value).
         q: bf16, or float8_e4m3 values (uint8 / int8 / float8_e4m3fn) with ``q_scale``; out bf16.
-            Inside, Q, K, V and P are fp16 (e4m3 values are exact in it; a bf16 q is exact for
-            2^-14 <= |q| < 65504, rounded to fp16's subnormals below); QK^T is an fp16 WGMMA
-            for either q (``quant.quantize_fp8_per_tensor`` builds an e4m3 q too).
+            Inside, a bf16 q's Q, K, V and P are fp16 (e4m3 values are exact in it; a bf16 q is
+            exact for 2^-14 <= |q| < 65504, rounded to fp16's subnormals below); an e4m3 q's QK^T
+            is an FP8 WGMMA on the e4m3 values themselves, its V and P fp16
+            (``quant.quantize_fp8_per_tensor`` builds an e4m3 q too).
         q_scale: float32 GPU array of one element, an e4m3 q's dequantization scale (Q = value *
             q_scale), read by the kernel like k_scale; required with an e4m3 q, refused otherwise.
 

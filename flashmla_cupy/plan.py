@@ -21,7 +21,7 @@ import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
 from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_STAGED_ROW_BYTES, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS,
-                        SPLITKV_THREADS, TMA_BOX)
+                        SPLITKV_THREADS)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
