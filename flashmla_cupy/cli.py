@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "users make (default arguments, value checks in their current mode) on CuPy arrays, or on "
                     "torch tensors with --inputs torch; --baseline flash_mla times FlashMLA's own call beside it; "
                     "--dtype fp8 times it over the dense FP8 cache (--q-dtype fp8: with an e4m3 q). "
-                    "Sparse: the same call with indices over the FP8 cache; on an H200, FlashMLA's times from "
-                    "another run stand beside it.",
+                    "Sparse: the same call with indices over the FP8 cache; --baseline flash_mla times FlashMLA's "
+                    "own sparse call beside it, else on an H200 FlashMLA's times from another run stand beside it.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("what", nargs="?", choices=PROFILE_KINDS, default="mla",
                     help="mla: paged MLA decoding, the seed's grid (default); sparse: DeepSeek-V3.2 sparse "
@@ -153,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "flash_mla_with_kvcache (the flash_mla package, seed or upstream API; skipped with the "
                         "reason when it is not importable, n/a at page sizes other than 64 and with --dtype fp8), "
                         "cupy = the plain CuPy implementation (flashmla_cupy.baselines; n/a with --dtype fp8); "
-                        "default none. attention always compares "
-                        "with manual attention; sparse has none (on an H200, FlashMLA's times from another run "
-                        "stand beside it)")
+                        "default none. Sparse: flash_mla only (FlashMLA's upstream API, h_q 64 and 128); without it, "
+                        "on an H200, FlashMLA's times from another run stand beside ours. attention always "
+                        "compares with manual attention")
     o.add_argument("--inputs", choices=("cupy", "torch"), default="cupy",
                    help="MLA: what the timed call gets: cupy = CuPy arrays, flashmla_cupy.flash_mla_with_kvcache "
                         "(default); torch = torch tensors viewing the same buffers (DLPack), through the drop-in "
@@ -277,7 +277,7 @@ def select_targets(kind: str, inputs: str, baseline: str) -> tuple[str, str | No
     if kind == "mla":
         return targets.MAIN_MLA_TARGETS[inputs], (None if baseline == "none" else baseline)
     if kind == "sparse":
-        return targets.MAIN_SPARSE_TARGET, None
+        return targets.MAIN_SPARSE_TARGET, (None if baseline == "none" else baseline)
     return targets.MAIN_ATTENTION_TARGET, targets.ATTENTION_BASELINE
 
 
@@ -302,10 +302,9 @@ def _sparse_refusal(args) -> str | None:
     if args.q_dtype not in (None, "bf16"):
         return (f"--q-dtype {args.q_dtype} is not available for sparse: sparse decoding reads bf16 q "
                 "(an e4m3 q, fp8, reads the dense FP8 cache of profile mla)")
-    if args.baseline != "none":
-        return (f"--baseline {args.baseline} is not available for sparse: there is no plain CuPy sparse decoding, "
-                "and FlashMLA's sparse kernel is not built here (on an H200, its times from another run stand "
-                "beside ours)")
+    if args.baseline == "cupy":
+        return ("--baseline cupy is not available for sparse: there is no plain CuPy sparse decoding "
+                "(--baseline flash_mla times FlashMLA's own sparse call)")
     if args.inputs != "cupy":
         return f"--inputs {args.inputs} is not available for sparse: it times CuPy arrays"
     if args.plot:

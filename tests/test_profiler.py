@@ -1189,6 +1189,35 @@ def test_sparse_run_on_numpy_with_flash_mla_anchors(monkeypatch, gpu_name, ancho
     assert "speedup" not in ours[1]
 
 
+def test_sparse_run_with_flash_mla_measured_drops_the_anchors(monkeypatch):
+    """--baseline flash_mla on an H200: FlashMLA's sparse call is timed in the run, and the anchors
+    from another run are not added beside it (one flash_mla record per shape, the measured one)."""
+    small = shapes.sparse_grid(batches=(2,), heads=(64,), s_ks=(256,), topks=(64,), quick=True)
+    monkeypatch.setattr(anchors, "SPARSE_FP8_H200_US", {small[0].key: 100.0})
+    config = runner.RunConfig(targets=["flashmla", "flash_mla"], baseline="flash_mla", check=True)
+    session = FakeSession(config)
+    work = _numpy_sparse_workload(session)
+    ours = work.table["flashmla"]
+
+    def setup_flash_mla(inp):
+        prep = ours.setup(inp)
+        session.current = "flash_mla"
+        return prep
+
+    work = dataclasses.replace(work, table={**work.table, "flash_mla": targets.Target("flash_mla", "", setup_flash_mla)})
+    result = runner.run(work, small, config, gpu={"name": "NVIDIA H200"}, session=session)
+    (mine,), (theirs,) = ([r for r in result.records if r["name"] == n] for n in ("flashmla", "flash_mla"))
+    assert theirs["ms_median"] == pytest.approx(2.1) and "notes" not in theirs and theirs["check_ok"]
+    assert mine["speedup"] == pytest.approx(10.0) and mine["speedup_vs"] == "flash_mla"
+
+
+def test_flash_mla_sparse_target_takes_its_head_counts():
+    t = targets.SPARSE_TARGETS["flash_mla"]
+    assert [t.supports(shapes.sparse_grid(heads=(h,), quick=True)[0]) is None for h in (16, 64, 128)] == \
+        [False, True, True]
+    assert "h_q 64 or 128, not 16" in t.supports(shapes.sparse_grid(heads=(16,), quick=True)[0])
+
+
 # --------------------------------------------------------------------------------------------
 # The command line without a GPU
 # --------------------------------------------------------------------------------------------
@@ -1234,8 +1263,7 @@ def test_profile_on_non_hopper_exits(monkeypatch, kind):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--baseline", "flash_mla"], ("--baseline flash_mla is not available for sparse", "H200")),
-    (["--baseline", "cupy"], ("--baseline cupy is not available for sparse",)),
+    (["--baseline", "cupy"], ("--baseline cupy is not available for sparse", "--baseline flash_mla")),
     (["--inputs", "torch"], ("--inputs torch is not available for sparse",)),
     (["--plot", "x.png"], ("--plot is not available for sparse",)),
     (["--seqlens", "1024", "--topk", "2048"], ("topk=2048 is more than s_k=1024",)),

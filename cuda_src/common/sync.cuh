@@ -109,11 +109,13 @@ __device__ __forceinline__ void mbarrier_arrive_peer(uint32_t peer_bar) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(peer_bar) : "memory");
 }
 
-// 16 bytes into another CTA's shared memory; its mbarrier `peer_bar` counts them as transaction
-// bytes (the receiver announced them with expect_tx).
-__device__ __forceinline__ void store_peer_async(uint32_t peer_dst, uint4 v, uint32_t peer_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-                 :: "r"(peer_dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(peer_bar) : "memory");
+// `bytes` (a multiple of 16) of this CTA's shared memory at `src` into another CTA's at
+// `peer_dst`, by the bulk-copy engine; its mbarrier `peer_bar` counts them as transaction bytes
+// (the receiver announced them with expect_tx). The source was written by ordinary stores: fence
+// them for the async proxy first (fence_smem_for_async_proxy, by the threads that wrote).
+__device__ __forceinline__ void copy_to_peer_async(uint32_t peer_dst, uint32_t src, uint32_t bytes, uint32_t peer_bar) {
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(peer_dst), "r"(src), "r"(bytes), "r"(peer_bar) : "memory");
 }
 
 // Every thread of every CTA of the cluster (a launch without clusters is a cluster of one CTA).

@@ -11,14 +11,18 @@
 //
 // Pairs (FlashMLA's "crossover"): with two m-blocks the two CTAs of a request form a cluster and
 // read the same tokens. Each dequantizes half of every page (rows 32r .. 32r + 31 for rank r)
-// into its own page buffer and, by st.async, into its peer's, whose tile barriers count those
-// bytes. A CTA alone (one m-block) dequantizes both halves. The bf16 RoPE tile is copied by
-// every CTA for all 64 rows itself (cp.async, no registers).
+// into its own page buffer; each warp then has the bulk-copy engine copy its 8 finished rows of
+// each tile (1 KB, contiguous) into the peer's buffer, whose tile barriers count those bytes. (Per
+// thread st.async of each 16-byte chunk, as FlashMLA does, doubled the producer's shared-memory
+// instructions and stalled the whole SM's MIO queues: docs/perf-notes.md section 19.) A CTA alone
+// (one m-block) dequantizes both halves. The bf16 RoPE chunks travel with the NoPE ones: loaded a
+// half page ahead, stored as they are (tile 8).
 //
 // Hand-off per page buffer: the producer waits for the release by every consumer warpgroup of
 // the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on each of their full
 // barriers (bar_kv), then tiles 4-8 the same way: S = Q K^T starts on the first group while the
-// second is stored. Global loads run ahead of the stores (fill_pages).
+// second is stored. Global loads run a half page ahead of the stores (fill_pages), so that
+// after a release only the stores stand between the producer and the next hand-off.
 //
 // Lanes: for rows 32r .. 32r + 31 each warp owns 8 rows; lane = row (lane % 8) x part (lane / 8),
 // and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one warp-wide store
@@ -39,16 +43,6 @@ __device__ __forceinline__ uint4 load_token_chunk(const uint8_t* ptr) {
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
     return v;
-}
-
-// 16 bytes global -> shared without registers; `valid` false writes zeros and reads nothing.
-__device__ __forceinline__ void copy_chunk_async(uint32_t dst, const uint8_t* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 __device__ __forceinline__ uint32_t fp16x2_mul(uint32_t a, uint32_t b) {
@@ -85,11 +79,12 @@ struct IndexedTokens {
     }
 };
 
-// What one lane loads of its token for a half page: NoPE chunks part + 4t (t = the V tile) and
-// the token's four scales.
+// What one lane loads of its token for a half page: NoPE chunks part + 4t (t = the V tile), the
+// token's four scales and RoPE chunks part and part + 4.
 struct TokenLoads {
     uint4 nope[kTilesV];
     uint4 scales;
+    uint4 rope[2];
 };
 
 template <typename T>
@@ -128,15 +123,11 @@ struct Fp8Producer {
             t.nope[tile] = valid ? load_token_chunk(src + 16 * (part + 4 * tile)) : zero;
         }
         t.scales = valid ? load_token_chunk(src + kHeadDimV) : zero;
+        CUTE_UNROLL
+        for (int c = 0; c < 2; ++c) {
+            t.rope[c] = valid ? load_token_chunk(src + kFp8RopeOffset + 16 * (part + 4 * c)) : zero;
+        }
         return t;
-    }
-
-    // 16 bytes into chunk `chunk` of row `row` of a tile, here and, in a pair, at the peer (whose
-    // barrier of that tile counts the bytes).
-    __device__ __forceinline__ void store_chunk(int buf, int tile, int row, int chunk, uint4 v) const {
-        const uint32_t dst = chunk_address(buf, tile, row, chunk);
-        store_shared(dst, v);
-        if (ranks == 2) store_peer_async(dst + peer_offset, v, smem_u32(&st.bar_kv[buf][tile]) + peer_offset);
     }
 
     // 16 e4m3 values (one chunk) times `scale2` -> 2 fp16 chunks, 2 part and 2 part + 1, of row
@@ -150,12 +141,12 @@ struct Fp8Producer {
             h[2 * j] = fp16x2_mul(e4m3x2_to_fp16x2(w[j] & 0xffffu), scale2);
             h[2 * j + 1] = fp16x2_mul(e4m3x2_to_fp16x2(w[j] >> 16), scale2);
         }
-        store_chunk(buf, tile, row, 2 * part, make_uint4(h[0], h[1], h[2], h[3]));
-        store_chunk(buf, tile, row, 2 * part + 1, make_uint4(h[4], h[5], h[6], h[7]));
+        store_shared(chunk_address(buf, tile, row, 2 * part), make_uint4(h[0], h[1], h[2], h[3]));
+        store_shared(chunk_address(buf, tile, row, 2 * part + 1), make_uint4(h[4], h[5], h[6], h[7]));
     }
 
-    // The NoPE tiles of group kGroup (0: tiles 0-3; 1: tiles 4-7) of row `row`, 16 values per
-    // lane and tile.
+    // Group kGroup of row `row`: 0, NoPE tiles 0-3; 1, NoPE tiles 4-7 and the RoPE tile (bf16, as
+    // cached). 16 values per lane and tile.
     template <int kGroup>
     __device__ __forceinline__ void store_token(int buf, int row, const TokenLoads& t) const {
         CUTE_UNROLL
@@ -166,21 +157,10 @@ struct Fp8Producer {
             const uint32_t scale_bits = tile / 2 == 0 ? e.x : tile / 2 == 1 ? e.y : tile / 2 == 2 ? e.z : e.w;
             store_dequantized(buf, tile, row, t.nope[tile], fp16x2_splat(__uint_as_float(scale_bits)));
         }
-    }
-
-    // The RoPE tile (bf16, as cached) of all 64 rows, by cp.async: no registers, and the page's
-    // only loads whose latency the stores wait for. `offsets` as lane_row spreads them.
-    __device__ __forceinline__ void copy_rope(int buf, int64_t offsets) const {
-        const int part = lane / 8;
-        CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-            const int row = 32 * half + 8 * warp + lane % 8;
-            const int64_t off = half_offset(offsets, half);
-            const uint8_t* src = p.cache + (off >= 0 ? off : 0) + kFp8RopeOffset;
+        if constexpr (kGroup == 1) {
+            const int part = lane / 8;
             CUTE_UNROLL
-            for (int c = 0; c < 2; ++c) {
-                copy_chunk_async(chunk_address(buf, kTilesK - 1, row, part + 4 * c), src + 16 * (part + 4 * c), off >= 0);
-            }
+            for (int c = 0; c < 2; ++c) store_shared(chunk_address(buf, kTilesK - 1, row, part + 4 * c), t.rope[c]);
         }
     }
 
@@ -191,17 +171,22 @@ struct Fp8Producer {
         free_phase ^= 1u << buf;
     }
 
-    // The group's tiles are complete in this CTA (warp 0 announces the peer's bytes of a pair).
+    // The group's tiles are complete in this CTA, and in a pair this warp's rows (8, from
+    // `first_row`) of them are on their way to the peer. Warp 0 announces the bytes the peer's
+    // warps send here.
     template <int kGroup>
-    __device__ __forceinline__ void publish(int buf) const {
-        if constexpr (kGroup == 1) cp_async_wait_all();
-        fence_smem_for_async_proxy();           // the consumers' WGMMAs read these stores
+    __device__ __forceinline__ void publish(int buf, int first_row) const {
+        fence_smem_for_async_proxy();           // the consumers' WGMMAs and the bulk copies read these stores
         __syncwarp();
         if (lane == 0) {
             CUTE_UNROLL
             for (int tile = 4 * kGroup; tile < (kGroup == 0 ? 4 : kTilesK); ++tile) {
                 const uint32_t bar = smem_u32(&st.bar_kv[buf][tile]);
-                if (ranks == 2 && warp == 0 && tile < kTilesV) {   // the peer's stores (RoPE: its own copy)
+                if (ranks == 2) {
+                    const uint32_t rows = chunk_address(buf, tile, first_row, 0);
+                    copy_to_peer_async(rows + peer_offset, rows, 8 * 128, bar + peer_offset);
+                }
+                if (ranks == 2 && warp == 0) {
                     mbarrier_arrive_expect_tx(bar, kPeerTileBytes);
                 } else {
                     mbarrier_arrive(bar);
@@ -219,46 +204,58 @@ struct Fp8Producer {
         return __shfl_sync(0xffffffffu, offsets, 8 * half + lane % 8);
     }
 
-    // Pages [first_page, end_page) of `tokens`, alternating between the page
-    // buffers. The work comes in half pages (one per page in a pair, two alone); the loads of the
-    // next half page are in flight while this one is stored, and the entries are read two pages
-    // ahead.
+    // Where fill_pages is: the current page's token offsets and the next page's (as lane_row
+    // spreads them), and this lane's entry two pages ahead.
+    struct Cursor {
+        int64_t offsets, next_offsets;
+        int next_entry;
+    };
+
+    // Step k of fill_pages: half page k % halves of page first_page + k / halves (halves: 1 in a
+    // pair, 2 alone), stored from `current` while the next step's half page loads into `next`.
+    __device__ __forceinline__ void fill_step(const IndexedTokens& tokens, int first_page, int end_page, int k,
+                                              Cursor& c, const TokenLoads& current, TokenLoads& next) {
+        const int log2_halves = ranks == 2 ? 0 : 1, first_half = ranks == 2 ? rank : 0;
+        const int page = first_page + (k >> log2_halves), h = k & log2_halves;
+        const int buf = (page - first_page) & 1, half = first_half + h;
+        const bool last = h == log2_halves;
+        if (h == 0) {
+            c.next_offsets = page + 1 < end_page ? tokens.offset(p, c.next_entry) : kSkippedToken;
+            c.next_entry = page + 2 < end_page ? tokens.entry(page + 2, lane_row()) : kSkippedToken;
+        }
+        next = load_token(last ? half_offset(c.next_offsets, first_half) : half_offset(c.offsets, half + 1));
+        if (h == 0) {
+            const uint32_t bits = __ballot_sync(0xffffffffu, c.offsets >= 0);
+            wait_free(buf);
+            if (lane == 0) {           // byte b of the mask: rows 8b .. 8b + 7
+                st.token_valid[buf][warp] = static_cast<uint8_t>(bits);
+                st.token_valid[buf][4 + warp] = static_cast<uint8_t>(bits >> 8);
+            }
+        }
+        const int first_row = 32 * half + 8 * warp, row = first_row + lane % 8;
+        store_token<0>(buf, row, current);
+        if (last) publish<0>(buf, first_row);
+        store_token<1>(buf, row, current);
+        if (last) {
+            publish<1>(buf, first_row);
+            c.offsets = c.next_offsets;
+        }
+    }
+
+    // Pages [first_page, end_page) of `tokens`, alternating between the page buffers. The work
+    // comes in steps of half a page; each step stores what the step before loaded and loads for
+    // the next, so two TokenLoads take turns (copying one into the other would wait for its
+    // loads), and the entries are read two pages ahead.
     __device__ __forceinline__ void fill_pages(const IndexedTokens& tokens, int first_page, int end_page) {
         if (first_page >= end_page) return;
-        const int first_half = ranks == 2 ? rank : 0, halves = ranks == 2 ? 1 : 2;
-        const int my_row = lane_row();
-        int64_t offsets = tokens.offset(p, tokens.entry(first_page, my_row));
-        int next_entry = first_page + 1 < end_page ? tokens.entry(first_page + 1, my_row) : kSkippedToken;
-        TokenLoads current = load_token(half_offset(offsets, first_half));
+        const int steps = (end_page - first_page) << (ranks == 2 ? 0 : 1);
+        Cursor c{tokens.offset(p, tokens.entry(first_page, lane_row())), kSkippedToken,
+                 first_page + 1 < end_page ? tokens.entry(first_page + 1, lane_row()) : kSkippedToken};
+        TokenLoads a = load_token(half_offset(c.offsets, ranks == 2 ? rank : 0)), b;
         #pragma unroll 1
-        for (int page = first_page; page < end_page; ++page) {
-            const int buf = (page - first_page) & 1;
-            const int64_t next_offsets = page + 1 < end_page ? tokens.offset(p, next_entry)
-                                                             : kSkippedToken;
-            next_entry = page + 2 < end_page ? tokens.entry(page + 2, my_row) : kSkippedToken;
-            const uint32_t bits = __ballot_sync(0xffffffffu, offsets >= 0);
-            #pragma unroll 1
-            for (int h = 0; h < halves; ++h) {
-                const int half = first_half + h;
-                const bool last = h == halves - 1;
-                const TokenLoads next = load_token(last ? half_offset(next_offsets, first_half)
-                                                        : half_offset(offsets, half + 1));
-                if (h == 0) {
-                    wait_free(buf);
-                    if (lane == 0) {           // byte b of the mask: rows 8b .. 8b + 7
-                        st.token_valid[buf][warp] = static_cast<uint8_t>(bits);
-                        st.token_valid[buf][4 + warp] = static_cast<uint8_t>(bits >> 8);
-                    }
-                    copy_rope(buf, offsets);
-                }
-                const int row = 32 * half + 8 * warp + lane % 8;
-                store_token<0>(buf, row, current);
-                if (last) publish<0>(buf);
-                store_token<1>(buf, row, current);
-                if (last) publish<1>(buf);
-                current = next;
-            }
-            offsets = next_offsets;
+        for (int k = 0; k < steps; k += 2) {
+            fill_step(tokens, first_page, end_page, k, c, a, b);
+            if (k + 1 < steps) fill_step(tokens, first_page, end_page, k + 1, c, b, a);
         }
     }
 };

@@ -1,8 +1,9 @@
 """FlashMLA's own times from another run, shown beside ours where the GPU is of the same kind.
 
-FlashMLA's sparse FP8 decoding kernel needs nvcc and torch to build, so ``profile sparse`` cannot
-time it in its own process; on an H200 its table gets FlashMLA's times from one earlier run on an
-H200 instead, as a ``flash_mla`` row per shape (with the speed-up), noted as not measured here.
+FlashMLA's sparse FP8 decoding kernel needs nvcc and torch to build; where it is built
+(``tools/flashmla_upstream``), ``profile sparse --baseline flash_mla`` times it in the same run.
+Without it, on an H200 the table gets FlashMLA's times from one earlier run on an H200 instead, as
+a ``flash_mla`` row per shape (with the speed-up), noted as not measured here.
 """
 from __future__ import annotations
 

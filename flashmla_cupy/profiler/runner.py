@@ -351,7 +351,8 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
                     records.append(_measure_target(t, inp, ref, work, dev, c, config, i, shape,
                                                    flops, nbytes, on_note))
                     on_record(records[-1])
-                anchor_ms = work.anchor_ms(shape, gpu.get("name", "")) if work.anchor_ms else None
+                anchor_ms = (work.anchor_ms(shape, gpu.get("name", ""))
+                             if work.anchor_ms and anchors.TARGET not in config.targets else None)
                 if anchor_ms is not None:
                     records.append({"name": anchors.TARGET, **work.fields(shape), "shape_index": i, "flops": flops,
                                     "bytes": nbytes, "ms_median": anchor_ms, "notes": anchors.NOTE,

@@ -15,7 +15,9 @@ The MLA targets: ``flashmla`` (the default call on CuPy arrays), ``flashmla_torc
 drop-in ``flashmla_cupy.flash_mla`` on torch tensors, ``--inputs torch``), ``flash_mla`` (FlashMLA's
 own module, ``--baseline flash_mla``) and ``cupy`` (the plain CuPy baseline). The torch targets view
 the same CuPy buffers through DLPack and are timed on the profiler's stream (``Prepared.on_stream``).
-The sparse target: ``flashmla`` again, the call with ``indices`` over the FP8 cache.
+The sparse targets: ``flashmla`` again, the call with ``indices`` over the FP8 cache, and
+``flash_mla`` (FlashMLA's own sparse call, upstream API only: the seed has none; ``--baseline
+flash_mla``).
 """
 from __future__ import annotations
 
@@ -289,11 +291,53 @@ def setup_flashmla_sparse(inp) -> Prepared:
     return Prepared(run, run())
 
 
+def _requires_real_flash_mla_sparse() -> str | None:
+    why = _requires_real_flash_mla()
+    if why:
+        return why
+    if flash_mla_api(import_real_flash_mla()) != "upstream":
+        return "the flash_mla package has the seed's API, which has no sparse decoding (upstream's has, 2025-09 on)"
+    return None
+
+
+def _real_flash_mla_sparse_supports(shape) -> str | None:
+    """FlashMLA's Hopper sparse kernel exists for 64 and 128 query heads only."""
+    if shape.h_q not in (64, 128):
+        return f"FlashMLA's Hopper sparse decoding takes h_q 64 or 128, not {shape.h_q}"
+    return None
+
+
+def setup_real_flash_mla_sparse(inp) -> Prepared:
+    """FlashMLA's own sparse call on the same buffers (torch tensors), upstream API: the metadata is
+    filled by this first call."""
+    import torch
+
+    fm = import_real_flash_mla()
+    s = inp.shape
+    q, k_cache, indices, sink = (torch.from_dlpack(x) for x in (inp.q, inp.k_cache, inp.indices, inp.attn_sink))
+    with _torch_device(inp):
+        meta = fm.get_mla_metadata()[0]
+
+        def run():
+            return fm.flash_mla_with_kvcache(q, k_cache, None, None, s.dv, meta, None, is_fp8_kvcache=True,
+                                             indices=indices, attn_sink=sink)
+
+        result = _as_cupy(run())
+    version = getattr(fm, "__version__", None)
+    return Prepared(run, result, notes=[f"FlashMLA upstream API (flash_mla {version})" if version else
+                                        "FlashMLA upstream API"], on_stream=_torch_on_stream)
+
+
 SPARSE_TARGETS: dict[str, Target] = {
     "flashmla": Target("flashmla", "flashmla_cupy.flash_mla_with_kvcache with indices (FP8 cache, attention sink) "
                                    "as users call it: CuPy arrays, outputs allocated by the call, value checks in "
                                    "their current mode; split-KV + combine kernels (PDL); metadata computed once "
                                    "beforehand", setup_flashmla_sparse, _requires_flashmla),
+    "flash_mla": Target("flash_mla", "FlashMLA's own flash_mla_with_kvcache with indices (the flash_mla package, "
+                                     "upstream API, nvcc build) on the same buffers as torch tensors, same stream; "
+                                     "metadata filled by one call beforehand",
+                        setup_real_flash_mla_sparse, _requires_real_flash_mla_sparse,
+                        _real_flash_mla_sparse_supports),
 }
 MAIN_SPARSE_TARGET = "flashmla"
 

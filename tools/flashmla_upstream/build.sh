@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build libflashmla_up.so: FlashMLA upstream's own sm90 dense decoding kernels (split-KV,
-# combine, scheduler; compiled by nvcc with upstream's flags) behind the ctypes entry points of
+# Build libflashmla_up.so: FlashMLA upstream's own sm90 decoding kernels (dense and sparse FP8
+# split-KV, combine, scheduler; compiled by nvcc with upstream's flags) behind the ctypes entry points of
 # shim.cu, for side-by-side timing with `flashmla-cupy profile --baseline flash_mla` (see
 # README.md). Needs nvcc 12.8+ and the nvidia-cutlass wheel (its CUTLASS/CuTe headers); no torch.
 #
@@ -23,6 +23,8 @@ flags=(-O3 -std=c++20 -DNDEBUG -D_USE_MATH_DEFINES --expt-relaxed-constexpr --ex
 objs=$(mktemp -d)
 trap 'rm -rf "$objs"' EXIT
 units=("$src/csrc/sm90/decode/dense/instantiations/bf16.cu" "$src/csrc/sm90/decode/dense/instantiations/fp16.cu"
+       "$src/csrc/sm90/decode/sparse_fp8/instantiations/v32_persistent_h64.cu"
+       "$src/csrc/sm90/decode/sparse_fp8/instantiations/v32_persistent_h128.cu"
        "$src/csrc/smxx/decode/combine/combine.cu"
        "$src/csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu" "$here/shim.cu")
 printf '%s\n' "${units[@]}" | xargs -P "$jobs" -I{} sh -c \

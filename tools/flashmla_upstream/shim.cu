@@ -1,13 +1,15 @@
-// C entry points (for ctypes) around FlashMLA upstream's sm90 dense decoding: its scheduler, its
-// split-KV kernel and its combine kernel, called as upstream's csrc/api/dense_decode.h calls them.
-// For side-by-side timing only (tools/flashmla_upstream/README.md); flashmla-cupy does not use it.
-// Supports what the profiler's grid needs: h_kv = 1, contiguous q, k_cache, out and lse.
+// C entry points (for ctypes) around FlashMLA upstream's sm90 decoding: its scheduler, its dense
+// and sparse FP8 split-KV kernels and its combine kernel, called as upstream's
+// csrc/api/dense_decode.h and sparse_decode.h call them. For side-by-side timing only
+// (tools/flashmla_upstream/README.md); flashmla-cupy does not use it. Supports what the profiler's
+// grids need: h_kv = 1, contiguous q, k_cache, indices, out and lse.
 #include <cuda_runtime_api.h>
 #include <cmath>
 #include <cutlass/half.h>
 
 #include "params.h"
 #include "sm90/decode/dense/splitkv_mla.h"
+#include "sm90/decode/sparse_fp8/splitkv_mla.h"
 #include "smxx/decode/combine/combine.h"
 #include "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.h"
 
@@ -18,10 +20,11 @@ constexpr int kHeadDimK = 576, kHeadDimV = 512, kPageBlock = 64, kFixedOverheadB
 extern "C" int up_sched_meta_bytes() { return static_cast<int>(sizeof(DecodingSchedMeta)); }
 
 // Upstream's tile scheduler: `sched` [num_sm_parts] DecodingSchedMeta, `num_splits` [b + 1].
-extern "C" int up_sched(int b, int s_q, int num_sm_parts, int* seqlens, void* sched, int* num_splits,
+// topk -1: dense (by `seqlens`); else sparse, `topk` indices per query token (seqlens unused).
+extern "C" int up_sched(int b, int s_q, int num_sm_parts, int topk, int* seqlens, void* sched, int* num_splits,
                         void* stream) {
-    GetDecodeSchedMetaParams p = {b, s_q, kPageBlock, kFixedOverheadBlocks, -1, -1, nullptr, nullptr,
-                                  seqlens, static_cast<DecodingSchedMeta*>(sched), num_splits,
+    GetDecodeSchedMetaParams p = {b, s_q, kPageBlock, kFixedOverheadBlocks, topk, -1, nullptr, nullptr,
+                                  topk < 0 ? seqlens : nullptr, static_cast<DecodingSchedMeta*>(sched), num_splits,
                                   num_sm_parts, static_cast<cudaStream_t>(stream)};
     smxx::decode::run_get_decoding_sched_meta_kernel(p);
     return static_cast<int>(cudaGetLastError());
@@ -77,5 +80,70 @@ extern "C" int up_decode(int is_fp16, int b, int s_q, int h_q, int num_blocks, i
                        p.tile_scheduler_metadata_ptr, num_splits, num_sm_parts, nullptr, p.stream};
     if (is_fp16) smxx::decode::run_flash_mla_combine_kernel<cutlass::half_t>(c);
     else smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// Sparse FP8 decoding (DeepSeek-V3.2's 656-byte tokens) + combine. q [b, s_q, h_q, 576] bf16;
+// k_cache [num_blocks, page, 1, 656] bytes; indices [b, s_q, topk]; attn_sink [h_q] or null;
+// out [b, s_q, h_q, 512]; lse [b, s_q, h_q]; lse_accum / o_accum [b + num_sm_parts, s_q, h_q(, 512)].
+extern "C" int up_sparse_decode(int b, int s_q, int h_q, int num_blocks, int page, int topk, float scale,
+                                void* q, void* k_cache, int* indices, float* attn_sink, void* sched,
+                                int num_sm_parts, int* num_splits, void* out, float* lse, float* lse_accum,
+                                float* o_accum, void* stream) {
+    constexpr int kTokenBytes = 656;
+    using bf16 = cutlass::bfloat16_t;
+    const int rows = s_q * h_q;
+    SparseAttnDecodeParams p = {};
+    p.b = b;
+    p.s_q = s_q;
+    p.h_q = h_q;
+    p.h_kv = 1;
+    p.d_qk = kHeadDimK;
+    p.d_v = kHeadDimV;
+    p.sm_scale = scale;
+    p.sm_scale_div_log2 = static_cast<float>(scale * M_LOG2E);
+    p.num_blocks = num_blocks;
+    p.page_block_size = page;
+    p.topk = topk;
+    p.model_type = ModelType::V32;
+    p.q = static_cast<bf16*>(q);
+    p.kv = static_cast<bf16*>(k_cache);
+    p.indices = indices;
+    p.attn_sink = attn_sink;
+    p.lse = lse;
+    p.out = static_cast<bf16*>(out);
+    p.stride_q_b = rows * kHeadDimK;
+    p.stride_q_s_q = h_q * kHeadDimK;
+    p.stride_q_h_q = kHeadDimK;
+    p.stride_kv_block = page * kTokenBytes;
+    p.stride_kv_row = kTokenBytes;
+    p.stride_indices_b = s_q * topk;
+    p.stride_indices_s_q = topk;
+    p.stride_lse_b = rows;
+    p.stride_lse_s_q = h_q;
+    p.stride_o_b = rows * kHeadDimV;
+    p.stride_o_s_q = h_q * kHeadDimV;
+    p.stride_o_h_q = kHeadDimV;
+    p.stream = static_cast<cudaStream_t>(stream);
+    p.lse_accum = lse_accum;
+    p.o_accum = o_accum;
+    p.stride_lse_accum_split = rows;
+    p.stride_lse_accum_s_q = h_q;
+    p.stride_o_accum_split = rows * kHeadDimV;
+    p.stride_o_accum_s_q = h_q * kHeadDimV;
+    p.stride_o_accum_h_q = kHeadDimV;
+    p.tile_scheduler_metadata_ptr = static_cast<DecodingSchedMeta*>(sched);
+    p.num_splits_ptr = num_splits;
+    p.num_sm_parts = num_sm_parts;
+    if (h_q == 64) sm90::decode::sparse_fp8::run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32, 64>(p);
+    else if (h_q == 128) sm90::decode::sparse_fp8::run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32, 128>(p);
+    else return static_cast<int>(cudaErrorInvalidValue);
+
+    CombineParams c = {b, s_q, h_q, kHeadDimV,
+                       lse, out, p.stride_lse_b, p.stride_lse_s_q, p.stride_o_b, p.stride_o_s_q, p.stride_o_h_q,
+                       lse_accum, o_accum, p.stride_lse_accum_split, p.stride_lse_accum_s_q,
+                       p.stride_o_accum_split, p.stride_o_accum_s_q, p.stride_o_accum_h_q,
+                       p.tile_scheduler_metadata_ptr, num_splits, num_sm_parts, attn_sink, p.stream};
+    smxx::decode::run_flash_mla_combine_kernel<bf16>(c);
     return static_cast<int>(cudaGetLastError());
 }
