@@ -8,8 +8,10 @@ per SM. Before it, the scheduler divides the batch's work among those parts:
   ``fixed_overhead`` (5) pages' worth: every piece of a request that a part processes also loads
   Q, runs a prologue and writes O and lse, whatever its length. Without that term a part given
   many short requests would take far longer than one given a single long request.
-* Every part gets the same budget, the *payload*: ``max(ceil(total_cost / num_sm_parts) +
-  overhead, 2 * overhead)``, where ``total_cost = sum(ceil(seqlen / block_n) + overhead)``.
+* Every part gets the same budget, the *payload*: ``ceil(total_cost / num_sm_parts) +
+  overhead``, where ``total_cost = sum(ceil(seqlen / block_n) + overhead)`` (FlashMLA 9241ae3's
+  formula; its 2025-04 release also floored the payload at ``2 * overhead``, which at small
+  batches gave a few parts five pages each while the rest idled).
 * Walking the requests in order, a part takes each whole remaining request while it fits in its
   budget. The first one that does not fit is cut: the part takes as many of its pages as the
   budget allows after paying the overhead (if that is at least one page) and the next part
@@ -19,9 +21,9 @@ per SM. Before it, the scheduler divides the batch's work among those parts:
   O and lse (normalized by its own softmax sum) that the combine kernel merges.
 
 The extra overhead in the payload pays for the one additional split a part can create, so that
-the walk always ends within ``num_sm_parts`` parts; the floor of twice the overhead guarantees
-that a part makes progress: even when the request it starts with does not fit, it takes at least
-``overhead`` of its pages.
+the walk always ends within ``num_sm_parts`` parts: a part either uses its whole budget (the last
+piece cut to fit) or leaves at most ``overhead`` of it unused and creates no split; and since the
+payload exceeds the overhead, a part that cuts a request takes at least one of its pages.
 
 Outputs, exactly as the kernel writes them (int32):
 
@@ -78,7 +80,7 @@ def payload(seqlens, num_sm_parts: int, block_n: int = BLOCK_N,
     """The budget of every part, in pages (see the module docstring)."""
     seqlens = _validated_seqlens(seqlens)
     total_cost = sum(_ceil_div(s, block_n) + fixed_overhead for s in seqlens)   # 64-bit in the kernel
-    return max(_ceil_div(total_cost, num_sm_parts) + fixed_overhead, 2 * fixed_overhead)
+    return _ceil_div(total_cost, num_sm_parts) + fixed_overhead
 
 
 def schedule(seqlens, num_sm_parts: int, block_n: int = BLOCK_N,

@@ -121,7 +121,7 @@ def test_random_schedules(rng, kind):
 def test_hand_worked_example():
     """seqlens [100, 0, 1000, 64] over 3 parts.
 
-    Pages 2, 0, 16, 1; costs (pages + 5) 7, 5, 21, 6; total 39; payload max(ceil(39/3) + 5, 10) = 18.
+    Pages 2, 0, 16, 1; costs (pages + 5) 7, 5, 21, 6; total 39; payload ceil(39/3) + 5 = 18.
     Part 0: request 0 (7, budget 11 left), request 1 (5, 6 left), then request 2 does not fit:
             6 - 5 = 1 page of it (split 0). Ends at token 64 of request 2.
     Part 1: the rest of request 2 (15 pages + 5 > 18): 18 - 5 = 13 pages, pages 1..13 (split 1).
@@ -145,9 +145,9 @@ def test_hand_worked_example():
 
 
 def test_hand_worked_idle_parts():
-    """One request of one page over 3 parts: cost 6, payload max(2 + 5, 10) = 10. Part 0 takes
+    """One request of one page over 3 parts: cost 6, payload ceil(6/3) + 5 = 7. Part 0 takes
     it whole; parts 1 and 2 are idle: begin at request 1 (= batch), end at request 0's end."""
-    assert scheduler.payload([64], 3) == 10
+    assert scheduler.payload([64], 3) == 7
     metadata, num_splits = scheduler.schedule([64], 3)
     np.testing.assert_array_equal(metadata, [[0, 0, 0, 64, 0, -1, 0, 0],
                                              [1, 0, 0, 64, 0, -1, 0, 0],
@@ -155,16 +155,17 @@ def test_hand_worked_idle_parts():
     np.testing.assert_array_equal(num_splits, [0, 1])
 
 
-def test_hand_worked_payload_floor():
-    """One request of 1280 tokens (20 pages, cost 25) over 8 parts: ceil(25/8) + 5 = 9 is below
-    the floor 2 * 5, so the payload is 10 and each part takes 10 - 5 = 5 pages: three splits of 5
-    pages, then the last 5 pages fit whole (5 + 5 <= 10). 4 splits; parts 4..7 idle."""
-    assert scheduler.payload([1280], 8) == 10
+def test_hand_worked_small_batch():
+    """One request of 1280 tokens (20 pages, cost 25) over 8 parts: payload ceil(25/8) + 5 = 9, so
+    each part takes 9 - 5 = 4 pages: four splits of 4 pages, then the last 4 pages fit whole
+    (4 + 5 <= 9). 5 splits; parts 5..7 idle. (FlashMLA's 2025-04 scheduler floored the payload at
+    2 * 5 = 10: 5 pages a part, 4 parts busy.)"""
+    assert scheduler.payload([1280], 8) == 9
     metadata, num_splits = scheduler.schedule([1280], 8)
-    np.testing.assert_array_equal(metadata[:, :5], [[0, 0, 0, 320, 0], [0, 320, 0, 640, 1],
-                                                    [0, 640, 0, 960, 2], [0, 960, 0, 1280, 3]]
-                                  + [[1, 0, 0, 1280, 0]] * 4)
-    np.testing.assert_array_equal(num_splits, [0, 4])
+    np.testing.assert_array_equal(metadata[:, :5], [[0, 0, 0, 256, 0], [0, 256, 0, 512, 1],
+                                                    [0, 512, 0, 768, 2], [0, 768, 0, 1024, 3],
+                                                    [0, 1024, 0, 1280, 4]] + [[1, 0, 0, 1280, 0]] * 3)
+    np.testing.assert_array_equal(num_splits, [0, 5])
 
 
 def test_hand_worked_sparse_topk():

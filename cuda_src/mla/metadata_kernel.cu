@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(32, 1) mla_metadata_kernel(const __grid_consta
     }
     if (lane != 0) return;
 
-    const long long payload =
-        max((total_cost + p.num_sm_parts - 1) / p.num_sm_parts + overhead, 2LL * overhead);
+    const long long payload = (total_cost + p.num_sm_parts - 1) / p.num_sm_parts + overhead;
     int req = 0, page = 0, split = 0, splits_so_far = 0;
     p.num_splits[0] = 0;
     for (int part = 0; part < p.num_sm_parts; ++part) {
