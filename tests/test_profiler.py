@@ -1211,6 +1211,23 @@ def test_sparse_run_with_flash_mla_measured_drops_the_anchors(monkeypatch):
     assert mine["speedup"] == pytest.approx(10.0) and mine["speedup_vs"] == "flash_mla"
 
 
+def test_sparse_run_keeps_the_anchors_when_flash_mla_cannot_run(monkeypatch):
+    """--baseline flash_mla where FlashMLA is not importable: the target is skipped with its
+    reason, and on an H200 the anchors from another run stand in for it as without the option."""
+    small = shapes.sparse_grid(batches=(2,), heads=(64,), s_ks=(256,), topks=(64,), quick=True)
+    monkeypatch.setattr(anchors, "SPARSE_FP8_H200_US", {small[0].key: 100.0})
+    config = runner.RunConfig(targets=["flashmla", "flash_mla"], baseline="flash_mla")
+    session = FakeSession(config)
+    work = _numpy_sparse_workload(session)
+    unusable = targets.Target("flash_mla", "", lambda inp: None, requires=lambda: "no flash_mla here")
+    work = dataclasses.replace(work, table={**work.table, "flash_mla": unusable})
+    notes = []
+    result = runner.run(work, small, config, gpu={"name": "NVIDIA H200"}, session=session, on_note=notes.append)
+    assert result.skipped_targets == {"flash_mla": "no flash_mla here"} and any("no flash_mla here" in n for n in notes)
+    (theirs,) = [r for r in result.records if r["name"] == "flash_mla"]
+    assert theirs["ms_median"] == 0.1 and theirs["notes"] == anchors.NOTE
+
+
 def test_flash_mla_sparse_target_takes_its_head_counts():
     t = targets.SPARSE_TARGETS["flash_mla"]
     assert [t.supports(shapes.sparse_grid(heads=(h,), quick=True)[0]) is None for h in (16, 64, 128)] == \

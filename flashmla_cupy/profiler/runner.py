@@ -317,6 +317,7 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
     targets, skipped = usable_targets(config.targets, work.table)
     for n, why in skipped.items():
         on_note(f"target {n} skipped: {why}")
+    measured = {t.name for t in targets}        # FlashMLA measured here: no anchors from another run
     records: list[dict] = []
     interrupted = False
     with _value_checks(config), (session or CudaSession(config, gpu)) as dev:
@@ -352,7 +353,7 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
                                                    flops, nbytes, on_note))
                     on_record(records[-1])
                 anchor_ms = (work.anchor_ms(shape, gpu.get("name", ""))
-                             if work.anchor_ms and anchors.TARGET not in config.targets else None)
+                             if work.anchor_ms and anchors.TARGET not in measured else None)
                 if anchor_ms is not None:
                     records.append({"name": anchors.TARGET, **work.fields(shape), "shape_index": i, "flops": flops,
                                     "bytes": nbytes, "ms_median": anchor_ms, "notes": anchors.NOTE,
