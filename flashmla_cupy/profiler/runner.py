@@ -317,7 +317,7 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
     targets, skipped = usable_targets(config.targets, work.table)
     for n, why in skipped.items():
         on_note(f"target {n} skipped: {why}")
-    measured = {t.name for t in targets}        # FlashMLA measured here: no anchors from another run
+    measured = {t.name for t in targets}        # with FlashMLA's own call among them, no anchors
     records: list[dict] = []
     interrupted = False
     with _value_checks(config), (session or CudaSession(config, gpu)) as dev:

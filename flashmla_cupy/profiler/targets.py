@@ -221,9 +221,12 @@ def setup_real_flash_mla(inp) -> Prepared:
             return fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
 
         result = _as_cupy(run())           # upstream: this first call fills the scheduler metadata
+    return Prepared(run, result, notes=[_api_note(fm, api)], on_stream=_torch_on_stream)
+
+
+def _api_note(fm, api: str) -> str:
     version = getattr(fm, "__version__", None)
-    return Prepared(run, result, notes=[f"FlashMLA {api} API" + (f" (flash_mla {version})" if version else "")],
-                    on_stream=_torch_on_stream)
+    return f"FlashMLA {api} API" + (f" (flash_mla {version})" if version else "")
 
 
 def _requires_cublas() -> str | None:
@@ -323,9 +326,7 @@ def setup_real_flash_mla_sparse(inp) -> Prepared:
                                              indices=indices, attn_sink=sink)
 
         result = _as_cupy(run())
-    version = getattr(fm, "__version__", None)
-    return Prepared(run, result, notes=[f"FlashMLA upstream API (flash_mla {version})" if version else
-                                        "FlashMLA upstream API"], on_stream=_torch_on_stream)
+    return Prepared(run, result, notes=[_api_note(fm, "upstream")], on_stream=_torch_on_stream)
 
 
 SPARSE_TARGETS: dict[str, Target] = {
