@@ -168,6 +168,12 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def out_dtype(q_dtype) -> np.dtype:
+    """The output's dtype (and the kernels' 16-bit one) for q of ``q_dtype``: q's own, bf16 for an
+    e4m3 q (its bytes)."""
+    return bfloat16() if np.dtype(q_dtype).name in quant.BYTE_DTYPES else np.dtype(q_dtype)
+
+
 def require_fp8_cache(k_cache, what: str) -> None:
     if k_cache.dtype.name not in quant.BYTE_DTYPES:
         raise TypeError(f"k_cache must hold {what} (uint8, int8 or float8_e4m3fn); got {k_cache.dtype.name}")
@@ -246,7 +252,7 @@ class MLAInputs:
         if self.q is not None:
             self.q_dtype = self.q.dtype
             self.fp8_q = self.q_scale is not None
-            self.dtype = bfloat16() if self.fp8_q else self.q.dtype
+            self.dtype = out_dtype(self.q.dtype)
             self.q_strides = tuple(self.q.strides)
             self.k_cache_shape, self.k_cache_strides = tuple(self.k_cache.shape), tuple(self.k_cache.strides)
             self.block_table_stride = self.block_table.strides[0] // self.block_table.itemsize

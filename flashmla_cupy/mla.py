@@ -15,7 +15,7 @@ from collections import OrderedDict
 import cupy
 import numpy as np
 
-from . import checks, errors, interop, launch, programs, quant, scheduler, sparse
+from . import checks, errors, interop, launch, programs, scheduler, sparse
 from .constants import FIXED_OVERHEAD_BLOCKS, BLOCK_N, SCHED_META_INTS
 from .params import MetadataParams
 from .plan import CallPlan, LaunchPlan, MLAWorkspace, layout_key
@@ -241,13 +241,12 @@ def get_mla_workspace(q, k_cache, tile_scheduler_metadata, *, sparse: bool = Fal
     checks.require_ndim(k_cache, "k_cache", 4, "[num_blocks, page_block_size, h_kv, 576]")
     checks.require_ndim(meta, "tile_scheduler_metadata", 2, "[num_sm_parts, 8]")
     batch, s_q, h_q, _ = q.shape
-    dtype = checks.bfloat16() if q.dtype.name in quant.BYTE_DTYPES else q.dtype     # out's: bf16 for an e4m3 q
     if sparse:
-        return MLAWorkspace(batch * s_q, 1, h_q, 1, meta.shape[0], dtype, alloc=alloc)
+        return MLAWorkspace(batch * s_q, 1, h_q, 1, meta.shape[0], checks.out_dtype(q.dtype), alloc=alloc)
     h_kv = k_cache.shape[2]
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"k_cache's heads (axis 2) must divide q's heads ({h_q}); got {h_kv}")
-    return MLAWorkspace(batch, s_q, h_q, h_kv, meta.shape[0], dtype, alloc=alloc)
+    return MLAWorkspace(batch, s_q, h_q, h_kv, meta.shape[0], checks.out_dtype(q.dtype), alloc=alloc)
 
 
 _MAX_PLANS = 16

@@ -10,6 +10,15 @@ struct alignas(64) TensorMap {
     unsigned char bytes[128];
 };
 
+// TMA's 128-byte swizzle, the layout of every shared-memory tile and staged box: rows of 128
+// bytes, 16-byte chunk `chunk` of row `row` at chunk position chunk ^ (row % 8). The shared
+// address of that chunk in the tile or box at `base`.
+constexpr int kSwizzleRowBytes = 128;
+
+__device__ __forceinline__ uint32_t swizzled_chunk(uint32_t base, int row, int chunk) {
+    return base + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16);
+}
+
 // L2 cache policies for the .L2::cache_hint operand (the values of CUTLASS's CacheHintSm90).
 enum class L2Hint : uint64_t {
     kEvictNormal = 0x1000000000000000ull,

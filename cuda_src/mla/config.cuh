@@ -21,6 +21,7 @@ constexpr int kBlockN = FLASHMLA_BLOCK_N;
 constexpr int kBlockM = FLASHMLA_BLOCK_M;          // query rows (heads x MTP tokens) per CTA
 constexpr int kTileCols = FLASHMLA_TMA_BOX;        // one TMA box / swizzle atom: 64 columns = 128 bytes
 constexpr int kTilesK = kHeadDimK / kTileCols;     // 9 tiles per K (or Q) row block
+constexpr uint32_t kFp16TileBytes = 64 * kTileCols * 2;   // a tile of fp16 values (the FP8 kernels' page buffers)
 constexpr int kTilesV = kHeadDimV / kTileCols;     // 8 tiles per V row block
 constexpr int kSplitKVThreads = FLASHMLA_SPLITKV_THREADS;
 constexpr int kProducerThreads = FLASHMLA_PRODUCER_THREADS;

@@ -27,11 +27,10 @@ namespace flashmla {
 // 16 e4m3 values, values 16 part .. 16 part + 15 of row `row`, as fp16 into the tile at `tile`
 // (64 rows x 64 fp16 values, 128-byte swizzle): two 16-byte chunks of the swizzled row.
 __device__ __forceinline__ void store_e4m3_chunk_as_fp16(uint32_t tile, int row, int part, uint4 raw) {
-    const uint32_t dst = tile + row * 128;
-    store_shared(dst + (((2 * part) ^ (row % 8)) * 16),
+    store_shared(swizzled_chunk(tile, row, 2 * part),
                  make_uint4(e4m3x2_to_fp16x2(raw.x & 0xffffu), e4m3x2_to_fp16x2(raw.x >> 16),
                             e4m3x2_to_fp16x2(raw.y & 0xffffu), e4m3x2_to_fp16x2(raw.y >> 16)));
-    store_shared(dst + (((2 * part + 1) ^ (row % 8)) * 16),
+    store_shared(swizzled_chunk(tile, row, 2 * part + 1),
                  make_uint4(e4m3x2_to_fp16x2(raw.z & 0xffffu), e4m3x2_to_fp16x2(raw.z >> 16),
                             e4m3x2_to_fp16x2(raw.w & 0xffffu), e4m3x2_to_fp16x2(raw.w >> 16)));
 }
@@ -57,14 +56,14 @@ struct Fp8Expander {
         CUTE_UNROLL
         for (int k = 0; k < 2; ++k) {
             const int c = idx + 128 * k;
-            raw[k] = c / 4 < valid ? load_shared(staged + staged_chunk_offset(c / 4, 4 * (tile % 2) + c % 4))
+            raw[k] = c / 4 < valid ? load_shared(swizzled_chunk(staged, c / 4, 4 * (tile % 2) + c % 4))
                                    : make_uint4(0, 0, 0, 0);
         }
     }
 
     // Each chunk becomes fp16 in the tile; then the tile's barrier.
     __device__ __forceinline__ void write(int buf, int tile, const uint4 (&raw)[2]) const {
-        const uint32_t dst = smem_u32(st.kv[buf]) + tile * kFp8TileBytes;
+        const uint32_t dst = smem_u32(st.kv[buf]) + tile * kFp16TileBytes;
         CUTE_UNROLL
         for (int k = 0; k < 2; ++k) {
             const int c = idx + 128 * k;

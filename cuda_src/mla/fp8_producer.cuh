@@ -33,6 +33,7 @@
 #include "common/error.cuh"
 #include "common/numeric.cuh"
 #include "common/sync.cuh"
+#include "common/tma.cuh"
 #include "mla/config.cuh"
 #include "mla/params.cuh"
 
@@ -90,8 +91,7 @@ struct TokenLoads {
 template <typename T>
 struct Fp8Producer {
     static_assert(T::kSparse, "the dense FP8 cache's pages are staged by TMA and expanded in place (fp8_expand.cuh)");
-    static constexpr uint32_t kTileBytes = 64 * kTileCols * 2;
-    static constexpr uint32_t kPeerTileBytes = kTileBytes / 2;   // the peer's half of a tile
+    static constexpr uint32_t kPeerTileBytes = kFp16TileBytes / 2;   // the peer's half of a tile
 
     const SplitKVParams& p;
     typename T::SharedStorage& st;
@@ -108,7 +108,7 @@ struct Fp8Producer {
 
     // Shared address of 16-byte chunk `chunk` (of 8) of row `row` of a 128-byte-swizzled tile.
     __device__ __forceinline__ uint32_t chunk_address(int buf, int tile, int row, int chunk) const {
-        return smem_u32(st.kv[buf]) + tile * kTileBytes + row * 128 + ((chunk ^ (row % 8)) * 16);
+        return swizzled_chunk(smem_u32(st.kv[buf]) + tile * kFp16TileBytes, row, chunk);
     }
 
     // The lane's part of one token (byte offset `off` in the cache; < 0: no token, zeros).
@@ -184,7 +184,7 @@ struct Fp8Producer {
                 const uint32_t bar = smem_u32(&st.bar_kv[buf][tile]);
                 if (ranks == 2) {
                     const uint32_t rows = chunk_address(buf, tile, first_row, 0);
-                    copy_to_peer_async(rows + peer_offset, rows, 8 * 128, bar + peer_offset);
+                    copy_to_peer_async(rows + peer_offset, rows, 8 * kSwizzleRowBytes, bar + peer_offset);
                 }
                 if (ranks == 2 && warp == 0) {
                     mbarrier_arrive_expect_tx(bar, kPeerTileBytes);

@@ -12,24 +12,19 @@
 #pragma once
 #include <cuda/std/cstdint>
 
+#include "common/tma.cuh"
 #include "mla/config.cuh"
 
 namespace flashmla {
 
-constexpr uint32_t kFp8TileBytes = 64 * kTileCols * 2;                  // an expanded (fp16) tile
 constexpr uint32_t kStagedBoxBytes = 64 * kFp8StagedRowBytes;           // one tile's space
 constexpr int kStagedBoxes = (kTilesK + 1) / 2;
 constexpr uint32_t kStagedPageBytes = kStagedBoxes * kStagedBoxBytes;
-static_assert(kFp8StagedRowBytes == 2 * kTileCols && kStagedBoxBytes == kFp8TileBytes, "a box of two tiles' bytes");
+static_assert(kFp8StagedRowBytes == kSwizzleRowBytes && kStagedBoxBytes == kFp16TileBytes, "a box of two tiles' bytes");
 
 // Byte offset of staged box `box` in a page buffer (see above).
 __device__ __forceinline__ constexpr uint32_t staged_box_offset(int box) {
-    return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp8TileBytes;
-}
-
-// Byte offset in a staged box of the 16-byte chunk `chunk` (0-7) of row `row`.
-__device__ __forceinline__ uint32_t staged_chunk_offset(int row, int chunk) {
-    return row * kFp8StagedRowBytes + ((chunk ^ (row % 8)) * 16);
+    return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp16TileBytes;
 }
 
 }  // namespace flashmla

@@ -12,7 +12,7 @@ namespace flashmla {
 
 // Split-KV kernel. Query rows are (MTP token, head-in-group) pairs: row = s * heads_per_kv + h.
 struct SplitKVParams {
-    TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64 (an e4m3 q: bytes, unswizzled)
+    TensorMap tma_q;              // Q as [batch][q_rows][h_kv][576], box 64 x 64 (an e4m3 q: bytes, boxes of 128, fp8_staged.cuh)
     TensorMap tma_kv;             // KV cache as [num_blocks][page_block_size][h_kv][576], box min(page_block_size, 64) x 64
     const int* block_table;       // [batch][block_table_stride]
     const int* seqlens;           // [batch]
