@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy import quant, reference
+from flashmla_cupy import checks, quant, reference
 
 PAGE = 64             # FlashMLA's page block size: the cases' default
 D_K = 576
@@ -67,7 +67,7 @@ class MLACase:
     @property
     def out_dtype(self) -> np.dtype:
         """out's dtype: q's, bf16 for an e4m3 q."""
-        return DTYPES["bf16"] if self.q_scale is not None else self.q.dtype
+        return checks.out_dtype(self.q.dtype)
 
     @property
     def page_size(self) -> int:
