@@ -22,7 +22,9 @@
 // the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on each of their full
 // barriers (bar_kv), then tiles 4-8 the same way: S = Q K^T starts on the first group while the
 // second is stored. Global loads run a half page ahead of the stores (fill_pages), so that
-// after a release only the stores stand between the producer and the next hand-off.
+// after a release only the stores stand between the producer and the next hand-off, and each
+// token is prefetched into L2 two pages ahead of its loads: a half page of loads in flight (all
+// the registers allow) waits out DRAM's latency otherwise (docs/perf-notes.md section 20).
 //
 // Lanes: for rows 32r .. 32r + 31 each warp owns 8 rows; lane = row (lane % 8) x part (lane / 8),
 // and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one warp-wide store
@@ -46,6 +48,12 @@ __device__ __forceinline__ uint4 load_token_chunk(const uint8_t* ptr) {
     return v;
 }
 
+// Have L2 fetch the 128-byte line at `ptr`: nothing to wait for, no registers held; the loads that
+// follow a page or two later hit L2.
+__device__ __forceinline__ void prefetch_l2(const uint8_t* ptr) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
+}
+
 __device__ __forceinline__ uint32_t fp16x2_mul(uint32_t a, uint32_t b) {
     uint32_t out;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
@@ -61,8 +69,9 @@ __device__ __forceinline__ uint32_t fp16x2_splat(float x) {
 // The byte offset of a row without a token (zeros).
 constexpr int64_t kSkippedToken = -1;
 
-// The entries of one query token's index list (the first `visible` count). An entry is read two
-// pages ahead of its use (entry), its byte offset one page ahead (offset).
+// The entries of one query token's index list (the first `visible` count). An entry is read three
+// pages ahead of its use (entry), its token prefetched into L2 two pages ahead and its byte offset
+// computed one page ahead (offset).
 struct IndexedTokens {
     const int* ids;
     int visible;
@@ -205,11 +214,25 @@ struct Fp8Producer {
     }
 
     // Where fill_pages is: the current page's token offsets and the next page's (as lane_row
-    // spreads them), and this lane's entry two pages ahead.
+    // spreads them), and this lane's entries one and two pages ahead.
     struct Cursor {
         int64_t offsets, next_offsets;
-        int next_entry;
+        int next_entry, ahead_entry;
     };
+
+    // Into L2: this lane's share of its token of a page (by its entry) if this CTA loads its row.
+    // Lanes l and l + 16 hold the same row (lane_row); a token (656 bytes) spans at most six
+    // 128-byte lines, lines 0, 2, 4 for the first lane and 1, 3, 5 for the second. A pair's CTA
+    // loads half `rank` of each page. (One bulk prefetch per token takes uniform operands: ptxas
+    // loops over the lanes.)
+    __device__ __forceinline__ void prefetch_row(const IndexedTokens& tokens, int entry) const {
+        const int64_t off = tokens.offset(p, entry);
+        const bool mine = ranks == 1 || ((lane / 8) & 1) == static_cast<int>(rank);
+        if (mine && off >= 0) {
+            CUTE_UNROLL
+            for (int line = lane / 16; line < 6; line += 2) prefetch_l2(p.cache + off + 128 * line);
+        }
+    }
 
     // Step k of fill_pages: half page k % halves of page first_page + k / halves (halves: 1 in a
     // pair, 2 alone), stored from `current` while the next step's half page loads into `next`.
@@ -221,7 +244,9 @@ struct Fp8Producer {
         const bool last = h == log2_halves;
         if (h == 0) {
             c.next_offsets = page + 1 < end_page ? tokens.offset(p, c.next_entry) : kSkippedToken;
-            c.next_entry = page + 2 < end_page ? tokens.entry(page + 2, lane_row()) : kSkippedToken;
+            if (page + 2 < end_page) prefetch_row(tokens, c.ahead_entry);
+            c.next_entry = c.ahead_entry;
+            c.ahead_entry = page + 3 < end_page ? tokens.entry(page + 3, lane_row()) : kSkippedToken;
         }
         next = load_token(last ? half_offset(c.next_offsets, first_half) : half_offset(c.offsets, half + 1));
         if (h == 0) {
@@ -245,12 +270,14 @@ struct Fp8Producer {
     // Pages [first_page, end_page) of `tokens`, alternating between the page buffers. The work
     // comes in steps of half a page; each step stores what the step before loaded and loads for
     // the next, so two TokenLoads take turns (copying one into the other would wait for its
-    // loads), and the entries are read two pages ahead.
+    // loads). The entries are read three pages ahead, their tokens prefetched two ahead.
     __device__ __forceinline__ void fill_pages(const IndexedTokens& tokens, int first_page, int end_page) {
         if (first_page >= end_page) return;
         const int steps = (end_page - first_page) << (ranks == 2 ? 0 : 1);
         Cursor c{tokens.offset(p, tokens.entry(first_page, lane_row())), kSkippedToken,
-                 first_page + 1 < end_page ? tokens.entry(first_page + 1, lane_row()) : kSkippedToken};
+                 first_page + 1 < end_page ? tokens.entry(first_page + 1, lane_row()) : kSkippedToken,
+                 first_page + 2 < end_page ? tokens.entry(first_page + 2, lane_row()) : kSkippedToken};
+        if (first_page + 1 < end_page) prefetch_row(tokens, c.next_entry);
         TokenLoads a = load_token(half_offset(c.offsets, ranks == 2 ? rank : 0)), b;
         #pragma unroll 1
         for (int k = 0; k < steps; k += 2) {
