@@ -83,8 +83,9 @@ struct IndexedTokens {
     // Token id -> byte offset; a negative id or one past the cache is skipped.
     __device__ __forceinline__ int64_t offset(const SplitKVParams& p, int id) const {
         const bool valid = id >= 0 && id < p.cache_tokens;
-        return valid ? (int64_t)(id / p.page_block_size) * p.cache_block_stride +
-                       (int64_t)(id % p.page_block_size) * kFp8TokenBytes
+        const uint32_t token = id, page_size = p.page_block_size;   // unsigned division: fewer instructions
+        return valid ? (int64_t)(token / page_size) * p.cache_block_stride +
+                       (int64_t)(token % page_size) * kFp8TokenBytes
                      : kSkippedToken;
     }
 };
@@ -125,16 +126,18 @@ struct Fp8Producer {
         TokenLoads t;
         const bool valid = off >= 0;
         const uint4 zero = make_uint4(0, 0, 0, 0);
-        const uint8_t* src = p.cache + (valid ? off : 0);
-        const int part = lane / 8;
+        const uint8_t* token = p.cache + (valid ? off : 0);
+        // this lane's chunks, 64 bytes apart (one address register: left to itself, ptxas
+        // rebuilds p.cache + off + offset for every load)
+        const uint8_t* chunks = computed_here(token + 16 * (lane / 8));
         CUTE_UNROLL
         for (int tile = 0; tile < kTilesV; ++tile) {
-            t.nope[tile] = valid ? load_token_chunk(src + 16 * (part + 4 * tile)) : zero;
+            t.nope[tile] = valid ? load_token_chunk(chunks + 64 * tile) : zero;
         }
-        t.scales = valid ? load_token_chunk(src + kHeadDimV) : zero;
+        t.scales = valid ? load_token_chunk(token + kHeadDimV) : zero;
         CUTE_UNROLL
         for (int c = 0; c < 2; ++c) {
-            t.rope[c] = valid ? load_token_chunk(src + kFp8RopeOffset + 16 * (part + 4 * c)) : zero;
+            t.rope[c] = valid ? load_token_chunk(chunks + kFp8RopeOffset + 64 * c) : zero;
         }
         return t;
     }
