@@ -83,7 +83,8 @@ struct IndexedTokens {
     // Token id -> byte offset; a negative id or one past the cache is skipped.
     __device__ __forceinline__ int64_t offset(const SplitKVParams& p, int id) const {
         const bool valid = id >= 0 && id < p.cache_tokens;
-        const uint32_t token = id, page_size = p.page_block_size;   // unsigned division: fewer instructions
+        // where it counts both are >= 0: unsigned division, fewer instructions
+        const uint32_t token = id, page_size = p.page_block_size;
         return valid ? (int64_t)(token / page_size) * p.cache_block_stride +
                        (int64_t)(token % page_size) * kFp8TokenBytes
                      : kSkippedToken;
