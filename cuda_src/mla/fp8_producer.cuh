@@ -70,8 +70,8 @@ __device__ __forceinline__ uint32_t fp16x2_splat(float x) {
 constexpr int64_t kSkippedToken = -1;
 
 // The entries of one query token's index list (the first `visible` count). An entry is read three
-// pages ahead of its use (entry), its token prefetched into L2 two pages ahead and its byte offset
-// computed one page ahead (offset).
+// pages ahead of its use (entry), its byte offset computed (offset) and its token prefetched into
+// L2 two pages ahead.
 struct IndexedTokens {
     const int* ids;
     int visible;
@@ -212,25 +212,29 @@ struct Fp8Producer {
     // 8 warp + lane % 8 and 32 + 8 warp + lane % 8.
     __device__ __forceinline__ int lane_row() const { return 8 * warp + lane % 8 + 32 * ((lane / 8) & 1); }
 
+    // This lane's entry of `page` (lane_row's), none (-1) past the part's pages.
+    __device__ __forceinline__ int lane_entry(const IndexedTokens& tokens, int page, int end_page) const {
+        return page < end_page ? tokens.entry(page, lane_row()) : -1;
+    }
+
     // This lane's token in rows 32 half .., from a page's offsets (as lane_row spreads them).
     __device__ __forceinline__ int64_t half_offset(int64_t offsets, int half) const {
         return __shfl_sync(0xffffffffu, offsets, 8 * half + lane % 8);
     }
 
-    // Where fill_pages is: the current page's token offsets and the next page's (as lane_row
-    // spreads them), and this lane's entries one and two pages ahead.
+    // Where fill_pages is: token offsets (as lane_row spreads them) of the current page, of the
+    // next and of the one after it (prefetched), and this lane's entry a page further.
     struct Cursor {
-        int64_t offsets, next_offsets;
-        int next_entry, ahead_entry;
+        int64_t offsets, next_offsets, ahead_offsets;
+        int ahead_entry;
     };
 
-    // Into L2: this lane's share of its token of a page (by its entry) if this CTA loads its row.
+    // Into L2: this lane's share of its token of a page (at `off`) if this CTA loads its row.
     // Lanes l and l + 16 hold the same row (lane_row); a token (656 bytes) spans at most six
     // 128-byte lines, lines 0, 2, 4 for the first lane and 1, 3, 5 for the second. A pair's CTA
     // loads half `rank` of each page. (One bulk prefetch per token takes uniform operands: ptxas
     // loops over the lanes.)
-    __device__ __forceinline__ void prefetch_row(const IndexedTokens& tokens, int entry) const {
-        const int64_t off = tokens.offset(p, entry);
+    __device__ __forceinline__ void prefetch_row(int64_t off) const {
         const bool mine = ranks == 1 || ((lane / 8) & 1) == static_cast<int>(rank);
         if (mine && off >= 0) {
             CUTE_UNROLL
@@ -247,10 +251,10 @@ struct Fp8Producer {
         const int buf = (page - first_page) & 1, half = first_half + h;
         const bool last = h == log2_halves;
         if (h == 0) {
-            c.next_offsets = page + 1 < end_page ? tokens.offset(p, c.next_entry) : kSkippedToken;
-            if (page + 2 < end_page) prefetch_row(tokens, c.ahead_entry);
-            c.next_entry = c.ahead_entry;
-            c.ahead_entry = page + 3 < end_page ? tokens.entry(page + 3, lane_row()) : kSkippedToken;
+            c.next_offsets = c.ahead_offsets;
+            c.ahead_offsets = tokens.offset(p, c.ahead_entry);     // skipped past the end
+            prefetch_row(c.ahead_offsets);
+            c.ahead_entry = lane_entry(tokens, page + 3, end_page);
         }
         next = load_token(last ? half_offset(c.next_offsets, first_half) : half_offset(c.offsets, half + 1));
         if (h == 0) {
@@ -278,10 +282,10 @@ struct Fp8Producer {
     __device__ __forceinline__ void fill_pages(const IndexedTokens& tokens, int first_page, int end_page) {
         if (first_page >= end_page) return;
         const int steps = (end_page - first_page) << (ranks == 2 ? 0 : 1);
-        Cursor c{tokens.offset(p, tokens.entry(first_page, lane_row())), kSkippedToken,
-                 first_page + 1 < end_page ? tokens.entry(first_page + 1, lane_row()) : kSkippedToken,
-                 first_page + 2 < end_page ? tokens.entry(first_page + 2, lane_row()) : kSkippedToken};
-        if (first_page + 1 < end_page) prefetch_row(tokens, c.next_entry);
+        Cursor c{tokens.offset(p, lane_entry(tokens, first_page, end_page)), kSkippedToken,
+                 tokens.offset(p, lane_entry(tokens, first_page + 1, end_page)),
+                 lane_entry(tokens, first_page + 2, end_page)};
+        prefetch_row(c.ahead_offsets);
         TokenLoads a = load_token(half_offset(c.offsets, ranks == 2 ? rank : 0)), b;
         #pragma unroll 1
         for (int k = 0; k < steps; k += 2) {
