@@ -20,8 +20,8 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
-from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_STAGED_ROW_BYTES, HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS,
-                        SPLITKV_THREADS)
+from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_NARROW_ROWS, FP8_NARROW_THREADS, FP8_STAGED_ROW_BYTES,
+                        HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS, SPLITKV_THREADS)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -287,14 +287,19 @@ class CallPlan(LaunchPlan):
         """Load (compiling on first use) the kernels and prebuild both launches."""
         a = self.inputs
         tag = "fp16" if self.dtype == np.float16 else "bf16"
-        splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
-        splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag))
         combine = launch.get_kernel(programs.combine_program(tag))
-        num_m_blocks = -(-a.q_rows // BLOCK_M)
-        # FP8: a warpgroup more, which expands the staged pages (fp8_expand.cuh)
-        threads = SPLITKV_THREADS + (PRODUCER_THREADS if a.fp8_cache else 0)
-        self.splitkv = splitkv.prepare((num_m_blocks, a.h_kv, a.num_sm_parts), (threads, 1, 1), SplitKVParams,
-                                       smem=programs.SPLITKV_SMEM_BYTES, stream=self.stream_ptr, pdl=True)
+        if a.fp8_cache and not a.fp8_q and a.q_rows <= FP8_NARROW_ROWS:
+            # few rows of a bf16 q: mma.sync on fragments dequantized in registers (fp8_narrow_kernel.cu)
+            splitkv = launch.get_kernel(programs.fp8_narrow_program())
+            grid, threads, smem = (1, a.h_kv, a.num_sm_parts), FP8_NARROW_THREADS, programs.FP8_NARROW_SMEM_BYTES
+        else:
+            splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
+            splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag))
+            # FP8: a warpgroup more, which expands the staged pages (fp8_expand.cuh)
+            threads = SPLITKV_THREADS + (PRODUCER_THREADS if a.fp8_cache else 0)
+            grid, smem = (-(-a.q_rows // BLOCK_M), a.h_kv, a.num_sm_parts), programs.SPLITKV_SMEM_BYTES
+        self.splitkv = splitkv.prepare(grid, (threads, 1, 1), SplitKVParams, smem=smem, stream=self.stream_ptr,
+                                       pdl=True)
         p = self.splitkv.params
         p.block_table_stride, p.max_blocks_per_seq = a.block_table_stride, a.block_table_columns
         p.num_blocks, p.page_block_size = a.k_cache_shape[:2]

@@ -31,6 +31,23 @@ def _splitkv_smem_bytes() -> int:
 SPLITKV_SMEM_BYTES = _splitkv_smem_bytes()
 
 
+def _fp8_narrow_smem_bytes() -> int:
+    """The narrow kernel's NarrowStorage (fp8_narrow_kernel.cu; the compile checks they agree): the
+    ring of staged pages (five boxes of 64 rows x 128 bytes each), Q's nine 64 x 64 16-bit tiles,
+    two P buffers (16 x 64 fp16), per-warp row maxima (two pages) and sums, a flag per stage and
+    2 mbarriers per stage + Q's, padded to 1024 bytes."""
+    page = 5 * constants.BLOCK_N * constants.FP8_STAGED_ROW_BYTES
+    q = (constants.HEAD_DIM_K // constants.TMA_BOX) * constants.BLOCK_M * constants.TMA_BOX * 2
+    p = 2 * constants.FP8_NARROW_ROWS * constants.BLOCK_N * 2
+    rows = (2 * 4 + 4) * constants.FP8_NARROW_ROWS * 4
+    size = constants.FP8_NARROW_STAGES * (page + 4) + q + p + rows
+    size = -(-size // 8) * 8 + 8 * (2 * constants.FP8_NARROW_STAGES + 1)
+    return -(-size // 1024) * 1024
+
+
+FP8_NARROW_SMEM_BYTES = _fp8_narrow_smem_bytes()
+
+
 def _mla_defines() -> tuple[tuple[str, str], ...]:
     return constants.defines() + layout_defines()
 
@@ -46,6 +63,12 @@ def splitkv_program(tag: str) -> Program:
                    _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
 
 
+def fp8_narrow_program() -> Program:
+    """The dense FP8 cache with a bf16 q and at most ``FP8_NARROW_ROWS`` query rows per KV head."""
+    return Program("fp8_narrow_mla", "mla/fp8_narrow_kernel.cu", ("flashmla::fp8_narrow_mla_kernel",),
+                   _mla_defines() + (("FLASHMLA_FP8_NARROW_SMEM_BYTES", str(FP8_NARROW_SMEM_BYTES)),))
+
+
 def combine_program(tag: str) -> Program:
     return Program(f"mla_combine<{tag}>", "mla/combine_kernel.cu",
                    (f"flashmla::mla_combine_kernel<{_CTYPES[tag]}>",), _mla_defines())
@@ -58,7 +81,7 @@ def metadata_program() -> Program:
 
 def mla_programs() -> list[Program]:
     return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG, FP8_TAG, FP8_Q_TAG)),
-            *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
+            fp8_narrow_program(), *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
 
 
 def all_programs() -> list[Program]:

@@ -310,13 +310,15 @@ class FakeLaunch:
 class FakeKernel:
     """``launch.Kernel`` without a GPU: launches are recorded, nothing is compiled."""
 
-    def __init__(self, launches: list, program):
+    def __init__(self, launches: list, program, name_expression=None):
         self._launches = launches
         self.program = program
+        self.name_expression = name_expression or program.kernels[0]
 
     def prepare(self, grid, block, params_type, **options):
         launch = FakeLaunch(params_type, self._launches)
         launch.grid, launch.block, launch.options, launch.program = grid, block, options, self.program
+        launch.kernel = self.name_expression
         return launch
 
     def launch(self, grid, block, params, **options):
@@ -340,7 +342,8 @@ class FakeGPU:
         monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes", self.pointer_attributes)
         monkeypatch.setattr(cupy, "asnumpy", lambda arr: self.arrays.host[id(arr)])
         monkeypatch.setattr(driver, "device_properties", lambda device_id: self.props)
-        monkeypatch.setattr(launch, "get_kernel", lambda program, *args, **kwargs: FakeKernel(self.launches, program))
+        monkeypatch.setattr(launch, "get_kernel", lambda program, name_expression=None, *args, **kwargs:
+                            FakeKernel(self.launches, program, name_expression))
         monkeypatch.setattr(errors, "record", lambda device_id: FakeRecord())
         monkeypatch.setattr(mla, "_plans", OrderedDict())     # plans built on fakes must not outlive the test
         monkeypatch.setattr(mla, "_metadata_launches", {})
@@ -797,23 +800,28 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
     assert fake_gpu.launches == []
 
 
+@pytest.mark.parametrize("h_q", [16, 32, 64])
 @pytest.mark.parametrize("e4m3_q", [False, True])
 @pytest.mark.parametrize("page", [1, 64, 256])
-def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, fake_gpu, monkeypatch):
+def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, fake_gpu, monkeypatch):
     # FP8_CASES differ from these arguments in one argument only. The cache's bytes are staged
     # by TMA (a byte map, boxes of one piece's rows of 128 bytes); k_scale's address goes to the
     # kernel. An e4m3 q: the kernel of its own (FP8 WGMMA), its bytes staged by a byte map too
     # (boxes of 64 rows of 128 bytes), q_scale's address in the kernel's parameters (else 0), out bf16.
+    # A bf16 q of at most 16 rows: the narrow kernel (mma.sync, the cache dequantized in registers).
     from flashmla_cupy import programs, tma
 
     maps = []
     monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: maps.append((args, kwargs)) or bytes(128))
     a = fake_gpu.arrays
-    q_change = dict(q=lambda a: a.empty((B, S_Q, H_Q, 576), np.uint8), q_scale=lambda a: a.empty((1,), F32))
-    args = fp8_args(a, k_cache=lambda a: a.empty((NUM_BLOCKS, page, 1, 576), np.uint8), **(q_change if e4m3_q else {}))
-    out, lse = a.empty((B, S_Q, H_Q, 512), BF16), a.empty((B, H_Q, S_Q), F32)
-    parts = args["tile_scheduler_metadata"].shape[0]
-    ws = mla.MLAWorkspace(B, S_Q, H_Q, 1, parts, BF16, alloc=lambda n: a.empty((n,), np.uint8))
+    parts = scheduler.num_sm_parts(a.sm_count, S_Q * h_q, 1)
+    change = dict(q=lambda a: a.empty((B, S_Q, h_q, 576), np.uint8 if e4m3_q else BF16),
+                  tile_scheduler_metadata=lambda a: a.empty((parts, scheduler.SCHED_META_INTS), I32))
+    if e4m3_q:
+        change["q_scale"] = lambda a: a.empty((1,), F32)
+    args = fp8_args(a, k_cache=lambda a: a.empty((NUM_BLOCKS, page, 1, 576), np.uint8), **change)
+    out, lse = a.empty((B, S_Q, h_q, 512), BF16), a.empty((B, h_q, S_Q), F32)
+    ws = mla.MLAWorkspace(B, S_Q, h_q, 1, parts, BF16, alloc=lambda n: a.empty((n,), np.uint8))
     assert mla.flash_mla_with_kvcache(**args, out=out, lse=lse, workspace=ws) == (out, lse)
     splitkv, combine = fake_gpu.launches[-2:]
     p = splitkv.params
@@ -822,12 +830,18 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, fake_g
     assert (p.indices, p.topk_length, p.attn_sink) == (0, 0, 0)
     assert p.q_scale == (args["q_scale"].data.ptr if e4m3_q else 0)
     assert (p.page_block_size, p.page_shift, p.cache_block_stride) == (page, page.bit_length() - 1, page * 576)
-    assert splitkv.block[0] == 384 and "cluster_x" not in splitkv.options
-    assert splitkv.program == programs.splitkv_program(programs.FP8_Q_TAG if e4m3_q else programs.FP8_TAG)
+    assert "cluster_x" not in splitkv.options
+    if not e4m3_q and h_q <= 16:
+        assert splitkv.program == programs.fp8_narrow_program()
+        assert splitkv.block[0] == 160 and splitkv.grid == (1, 1, parts)
+        assert splitkv.options["smem"] == programs.FP8_NARROW_SMEM_BYTES
+    else:
+        assert splitkv.program == programs.splitkv_program(programs.FP8_Q_TAG if e4m3_q else programs.FP8_TAG)
+        assert splitkv.block[0] == 384 and splitkv.grid == (-(-S_Q * h_q // 64), 1, parts)
     (q_address, q_dtype, q_shape, q_strides), q_kwargs = maps[-2]
-    assert (q_address, q_shape) == (args["q"].data.ptr, (B, S_Q * H_Q, 1, 576))
+    assert (q_address, q_shape) == (args["q"].data.ptr, (B, S_Q * h_q, 1, 576))
     if e4m3_q:
-        assert np.dtype(q_dtype) == np.uint8 and q_strides == (S_Q * H_Q * 576, 576, S_Q * H_Q * 576, 1)
+        assert np.dtype(q_dtype) == np.uint8 and q_strides == (S_Q * h_q * 576, 576, S_Q * h_q * 576, 1)
         assert q_kwargs == {"box_rows": 64, "box_cols": 128}
     else:
         assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64}

@@ -28,4 +28,12 @@ __device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
     return h;
 }
 
+// A bf16 pair -> fp16x2 (round to nearest; what fp16 cannot hold becomes inf or rounds to 0).
+__device__ __forceinline__ uint32_t bf16x2_to_fp16x2(uint32_t pair) {
+    const float lo = __uint_as_float(pair << 16), hi = __uint_as_float(pair & 0xffff0000u);
+    uint32_t h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+    return h;
+}
+
 }  // namespace flashmla

@@ -45,6 +45,7 @@
 #include "mla/params.cuh"
 #include "mla/splitkv_epilogue.cuh"
 #include "mla/splitkv_gemm.cuh"
+#include "mla/splitkv_schedule.cuh"
 #include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
 #include "mla/fp8_consumers.cuh"
@@ -55,88 +56,10 @@ namespace flashmla {
 
 using namespace cute;
 
-// Rows of a 64-row block that belong to query token s see the first
-// seqlen - (s_q - 1 - s) tokens (causal MTP). Rows past the query count mask nothing.
-__device__ __forceinline__ int causal_mask_len(const SplitKVParams& p, int m_block, int row) {
-    const int q_row = m_block * kBlockM + row;
-    return q_row < p.q_rows ? p.s_q - 1 - q_row / p.heads_per_kv : 0;
-}
-
-// Pages holding `tokens` tokens (tokens >= 0; no overflow at 2^31 - 1).
-__device__ __forceinline__ int pages_of(int tokens) {
-    return tokens / kBlockN + (tokens % kBlockN != 0);
-}
-
-// The pages [first_page, end_page) of request `req` that a CTA reads, given its scheduler range
-// {begin_req, begin_token, end_req, end_token}; `whole`: the range covers the whole request (its
-// output is final, else a split for the combine kernel). Causal: pages no row of the block sees
-// are dropped. `bad`: the request's length is outside [0, page_block_size * block_table columns]; it then
-// reads nothing, and whether its output is final or a split is what num_splits says (the
-// combine kernel merges exactly the requests with several splits). The range never extends past
-// the request's length, whatever the metadata says.
-struct RequestSpan {
-    int seqlen, first_page, end_page;
-    bool whole, bad;
-};
-
-// Sparse: every request (one query token) was scheduled as topk entries long; only the first
-// topk_length[b] of them count, so pages past those are not read (but `whole` is the schedule's).
-__device__ __forceinline__ RequestSpan sparse_request_span(const SplitKVParams& p, int req, int4 range) {
-    RequestSpan r;
-    const int pages = pages_of(p.topk);
-    r.first_page = req == range.x ? max(range.y, 0) / kBlockN : 0;
-    r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), pages) : pages;
-    r.whole = r.first_page == 0 && r.end_page == pages;
-    r.seqlen = p.topk_length ? min(max(p.topk_length[req / p.sparse_s_q], 0), p.topk) : p.topk;
-    r.end_page = min(r.end_page, pages_of(r.seqlen));
-    r.bad = false;
-    return r;
-}
-
 template <typename T>
 __device__ __forceinline__ RequestSpan request_span(const SplitKVParams& p, int m_block, int req, int4 range) {
     if constexpr (T::kSparse) return sparse_request_span(p, req, range);
-    RequestSpan r;
-    const int seqlen = p.seqlens[req];
-    r.bad = seqlen < 0 || seqlen > (long long)p.max_blocks_per_seq * p.page_block_size;
-    r.seqlen = r.bad ? 0 : seqlen;
-    const int seq_pages = pages_of(r.seqlen);
-    r.first_page = req == range.x ? max(range.y, 0) / kBlockN : 0;
-    r.end_page = req == range.z ? min(pages_of(max(range.w, 0)), seq_pages) : seq_pages;
-    r.whole = r.bad ? (long long)p.num_splits[req + 1] - p.num_splits[req] <= 1
-                    : r.first_page == 0 && r.end_page == seq_pages;
-    if (p.causal) {
-        // The last row has the shortest mask; pages past its limit are skipped and rows with
-        // longer masks are cut by RowState::right_border (rows of one block differ by < 64
-        // tokens, so only the last two pages need masking).
-        const int common_mask = causal_mask_len(p, m_block, kBlockM - 1);
-        r.end_page = min(r.end_page, pages_of(max(r.seqlen - common_mask, 0)));
-    }
-    return r;
-}
-
-// This CTA's row of the scheduler metadata (`meta`: its address; sched_row_here reads it again).
-struct SchedRow {
-    int4 range;           // begin_req, begin_token, end_req, end_token
-    int end_req;          // range.z, within the batch
-    int begin_split;      // the first split's index of begin_req
-    int topk;             // the topk the metadata was scheduled for (-1: dense)
-};
-
-__device__ __forceinline__ SchedRow sched_row(const SplitKVParams& p, const int* meta) {
-    SchedRow row;
-    row.range = *reinterpret_cast<const int4*>(meta);
-    const int4 kind = *reinterpret_cast<const int4*>(meta + 4);   // begin_split, topk, -, -
-    row.end_req = min(row.range.z, p.batch - 1);
-    row.begin_split = kind.x;
-    row.topk = kind.y;
-    return row;
-}
-
-// The same row read again where it is used, its address computed afresh: nothing of it stays
-// live from the prologue.
-__device__ __forceinline__ SchedRow sched_row_here(const SplitKVParams& p) {
-    return sched_row(p, computed_here(p.sched_meta) + block_index_z_here() * kSchedMetaInts);
+    return dense_request_span(p, m_block, req, range);
 }
 
 template <typename T>
@@ -214,10 +137,7 @@ struct SplitKVCta {
             uint4 v = chunks[c];
             uint32_t* w = reinterpret_cast<uint32_t*>(&v);
             CUTE_UNROLL
-            for (int i = 0; i < 4; ++i) {
-                const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xffff0000u);
-                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(hi), "f"(lo));
-            }
+            for (int i = 0; i < 4; ++i) w[i] = bf16x2_to_fp16x2(w[i]);
             chunks[c] = v;
         }
         fence_smem_for_async_proxy();
@@ -684,20 +604,9 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
     pdl_wait_for_producers();
     const SchedRow row = sched_row(p, p.sched_meta + blockIdx.z * kSchedMetaInts);
     const int4 range = row.range;
-    // Metadata of another kind of call (dense vs sparse, another topk): every CTA of a cluster
-    // reads the same row, so all of them return here.
-    if (row.topk != (kSparse ? p.topk : -1)) {
-        if (threadIdx.x == 0) {
-            report_error(p.error, FLASHMLA_ERROR_METADATA_KIND, blockIdx.z, 0, row.topk, kSparse ? p.topk : -1);
-        }
-        return;
-    }
+    // Every CTA of a cluster reads the same row, so all of them return here.
+    if (!part_is_runnable(p, row, kSparse ? p.topk : -1)) return;
     const int begin_req = range.x, end_req = row.end_req;
-    if (begin_req >= p.batch) return;                          // an idle part
-    if (begin_req < 0 || end_req < begin_req) {                // not this batch's metadata: nothing loaded yet
-        if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, begin_req, 0, range.z, p.batch);
-        return;
-    }
 
     if constexpr (kProducer) {
         if (threadIdx.x >= T::kConsumerThreads) {
