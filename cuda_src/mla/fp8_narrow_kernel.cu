@@ -455,8 +455,7 @@ struct NarrowConsumer {
             const int q_row = row_of(h);
             if (q_row >= num_rows) continue;
             const float sum = sums[h];
-            const bool empty = sum == 0.0f || sum != sum;        // no visible token (or overflow): O = 0
-            const float factor = bad ? kNaN : empty ? 1.0f : v_scale / sum;
+            const float factor = bad ? kNaN : no_visible_token(sum) ? 1.0f : v_scale / sum;   // O = 0 if none
             #pragma unroll
             for (int g = 0; g < 4; ++g) {
                 const int col = 128 * warp + 32 * g + 8 * quad;
@@ -476,14 +475,12 @@ struct NarrowConsumer {
                 }
             }
             if (warp == 0 && quad == 0) {
-                const float m = row_max[h];
+                const float lse = row_lse(sum, row_max[h], bad, split_idx >= 0);
                 if (split_idx < 0) {
                     const int head = kv_head * p.heads_per_kv + q_row % p.heads_per_kv;
-                    p.lse[lse_index(req, head, q_row / p.heads_per_kv, p.h_q, p.s_q, 1)] =
-                        bad ? kNaN : empty ? kInf : logf(sum) + m * kLn2;
+                    p.lse[lse_index(req, head, q_row / p.heads_per_kv, p.h_q, p.s_q, 1)] = lse;
                 } else {
-                    p.lse_accum[((int64_t)split_idx * p.h_kv + kv_head) * p.q_rows + q_row] =
-                        bad ? kNaN : empty ? -kInf : log2f(sum) + m;
+                    p.lse_accum[((int64_t)split_idx * p.h_kv + kv_head) * p.q_rows + q_row] = lse;
                 }
             }
         }

@@ -15,6 +15,17 @@ __device__ __forceinline__ int64_t lse_index(int request, int head, int token, i
     return ((int64_t)b * h_q + head) * ((int64_t)s_q * sparse_s_q) + s;
 }
 
+// A row's lse from its softmax sum and running max (log2 domain): the final lse in natural log,
+// or a split's in log2 for the combine kernel; a zero sum (no visible token, or overflow) gives
+// +inf (final) or -inf (split, weight 0), a bad request NaN.
+__device__ __forceinline__ bool no_visible_token(float sum) { return sum == 0.0f || sum != sum; }
+
+__device__ __forceinline__ float row_lse(float sum, float max_log2, bool bad, bool split) {
+    if (bad) return kNaN;
+    if (no_visible_token(sum)) return split ? -kInf : kInf;
+    return split ? log2f(sum) + max_log2 : logf(sum) + max_log2 * kLn2;
+}
+
 // The attention sink scales a row's output by exp(lse) / (exp(lse) + exp(sink)); lse itself is
 // unchanged. `lse_log2`: the row's lse in the log2 domain; +inf (no visible token: the output is
 // already 0) or no sink gives 1.

@@ -58,7 +58,7 @@ __device__ __forceinline__ void output_factors(const SplitKVParams& p, typename 
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const float sum = sums[half];
-        const bool empty = sum == 0.0f || sum != sum;   // no visible token (or overflow): O = 0
+        const bool empty = no_visible_token(sum);       // O = 0
         factor[half] = out.bad ? kNaN : empty ? 1.0f : v_scale / sum;
         if (T::kSparse && out.split_idx < 0 && !out.bad && !empty) {
             const int row = fragment_row(half, idx_in_wg);
@@ -73,18 +73,15 @@ __device__ __forceinline__ void store_lse(const SplitKVParams& p, typename T::Sh
                                           const OutputTarget& out) {
     const int r = threadIdx.x;
     if (r >= out.num_rows) return;
-    const float sum = st.row_sum[0][r] + st.row_sum[1][r];
-    const bool empty = sum == 0.0f || sum != sum;      // no visible token (or NaN): see kernel
+    const float lse = row_lse(st.row_sum[0][r] + st.row_sum[1][r], st.row_max[r], out.bad, out.split_idx >= 0);
     const int q_row = out.m_block * kBlockM + r;
     if (out.split_idx < 0) {
         const int head = out.kv_head * p.heads_per_kv + q_row % p.heads_per_kv;
         const int token = q_row / p.heads_per_kv;
-        p.lse[lse_index(out.batch_idx, head, token, p.h_q, p.s_q, p.sparse_s_q)] =
-            out.bad ? kNaN : empty ? kInf : logf(sum) + st.row_max[r] * kLn2;
+        p.lse[lse_index(out.batch_idx, head, token, p.h_q, p.s_q, p.sparse_s_q)] = lse;
     } else {
         // A NaN split makes the combined row NaN (combine_kernel.cu).
-        p.lse_accum[((int64_t)out.split_idx * p.h_kv + out.kv_head) * p.q_rows + q_row] =
-            out.bad ? kNaN : empty ? -kInf : log2f(sum) + st.row_max[r];
+        p.lse_accum[((int64_t)out.split_idx * p.h_kv + out.kv_head) * p.q_rows + q_row] = lse;
     }
 }
 
