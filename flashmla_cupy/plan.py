@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
-from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_NARROW_ROWS, FP8_NARROW_THREADS, FP8_STAGED_ROW_BYTES,
+from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_NARROW_ROWS, FP8_STAGED_ROW_BYTES,
                         HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS, SPLITKV_THREADS)
 from .params import CombineParams, SplitKVParams
 
@@ -289,9 +289,10 @@ class CallPlan(LaunchPlan):
         tag = "fp16" if self.dtype == np.float16 else "bf16"
         combine = launch.get_kernel(programs.combine_program(tag))
         if a.fp8_cache and not a.fp8_q and a.q_rows <= FP8_NARROW_ROWS:
-            # few rows of a bf16 q: mma.sync on fragments dequantized in registers (fp8_narrow_kernel.cu)
-            splitkv = launch.get_kernel(programs.fp8_narrow_program())
-            grid, threads, smem = (1, a.h_kv, a.num_sm_parts), FP8_NARROW_THREADS, programs.FP8_NARROW_SMEM_BYTES
+            # few rows of a bf16 q: MMAs on fragments dequantized in registers (fp8_narrow_kernel.cu)
+            kernel, threads = programs.fp8_narrow_form(a.q_rows)
+            splitkv = launch.get_kernel(programs.fp8_narrow_program(), kernel)
+            grid, smem = (1, a.h_kv, a.num_sm_parts), programs.FP8_NARROW_SMEM_BYTES
         else:
             splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
             splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag))

@@ -34,12 +34,14 @@ SPLITKV_SMEM_BYTES = _splitkv_smem_bytes()
 def _fp8_narrow_smem_bytes() -> int:
     """The narrow kernel's NarrowStorage (fp8_narrow_kernel.cu; the compile checks they agree): the
     ring of staged pages (five boxes of 64 rows x 128 bytes each), Q's nine 64 x 64 16-bit tiles,
-    two P buffers (16 x 64 fp16), per-warp row maxima (two pages) and sums, a flag per stage and
-    2 mbarriers per stage + Q's, padded to 1024 bytes."""
+    per group of consumer warps (two) two P buffers (FP8_NARROW_ROWS x 64 fp16) and per-warp row
+    maxima (two pages) and sums, the merge's row maxima, sums and flag, a flag per stage and 2
+    mbarriers per stage + Q's, padded to 1024 bytes."""
     page = 5 * constants.BLOCK_N * constants.FP8_STAGED_ROW_BYTES
     q = (constants.HEAD_DIM_K // constants.TMA_BOX) * constants.BLOCK_M * constants.TMA_BOX * 2
-    p = 2 * constants.FP8_NARROW_ROWS * constants.BLOCK_N * 2
-    rows = (2 * 4 + 4) * constants.FP8_NARROW_ROWS * 4
+    groups = 2
+    p = groups * 2 * constants.FP8_NARROW_ROWS * constants.BLOCK_N * 2
+    rows = (groups * (2 * 4 + 4) + groups + 1) * constants.FP8_NARROW_ROWS * 4 + 4
     size = constants.FP8_NARROW_STAGES * (page + 4) + q + p + rows
     size = -(-size // 8) * 8 + 8 * (2 * constants.FP8_NARROW_STAGES + 1)
     return -(-size // 1024) * 1024
@@ -64,9 +66,21 @@ def splitkv_program(tag: str) -> Program:
 
 
 def fp8_narrow_program() -> Program:
-    """The dense FP8 cache with a bf16 q and at most ``FP8_NARROW_ROWS`` query rows per KV head."""
-    return Program("fp8_narrow_mla", "mla/fp8_narrow_kernel.cu", ("flashmla::fp8_narrow_mla_kernel",),
+    """The dense FP8 cache with a bf16 q and at most ``FP8_NARROW_ROWS`` query rows per KV head: its
+    forms for up to ``FP8_NARROW_MMA_SYNC_ROWS`` rows and for more (``fp8_narrow_kernel``)."""
+    forms = (constants.FP8_NARROW_MMA_SYNC_ROWS, constants.FP8_NARROW_ROWS)
+    return Program("fp8_narrow_mla", "mla/fp8_narrow_kernel.cu",
+                   tuple(f"flashmla::fp8_narrow_mla_kernel<{rows}>" for rows in forms),
                    _mla_defines() + (("FLASHMLA_FP8_NARROW_SMEM_BYTES", str(FP8_NARROW_SMEM_BYTES)),))
+
+
+def fp8_narrow_form(q_rows: int) -> tuple[str, int]:
+    """The narrow kernel's form for ``q_rows`` query rows per KV head (at most ``FP8_NARROW_ROWS``):
+    its name expression and threads per CTA."""
+    kernels = fp8_narrow_program().kernels
+    if q_rows <= constants.FP8_NARROW_MMA_SYNC_ROWS:
+        return kernels[0], constants.FP8_NARROW_THREADS
+    return kernels[1], constants.FP8_NARROW_WGMMA_THREADS
 
 
 def combine_program(tag: str) -> Program:

@@ -808,7 +808,8 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
     # by TMA (a byte map, boxes of one piece's rows of 128 bytes); k_scale's address goes to the
     # kernel. An e4m3 q: the kernel of its own (FP8 WGMMA), its bytes staged by a byte map too
     # (boxes of 64 rows of 128 bytes), q_scale's address in the kernel's parameters (else 0), out bf16.
-    # A bf16 q of at most 16 rows: the narrow kernel (mma.sync, the cache dequantized in registers).
+    # A bf16 q of at most 32 rows: the narrow kernel (the cache dequantized in registers), its mma.sync
+    # form (160 threads) for at most 16 rows, its WGMMA form (384) for more.
     from flashmla_cupy import programs, tma
 
     maps = []
@@ -831,9 +832,11 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
     assert p.q_scale == (args["q_scale"].data.ptr if e4m3_q else 0)
     assert (p.page_block_size, p.page_shift, p.cache_block_stride) == (page, page.bit_length() - 1, page * 576)
     assert "cluster_x" not in splitkv.options
-    if not e4m3_q and h_q <= 16:
+    if not e4m3_q and S_Q * h_q <= 32:
         assert splitkv.program == programs.fp8_narrow_program()
-        assert splitkv.block[0] == 160 and splitkv.grid == (1, 1, parts)
+        form = 0 if S_Q * h_q <= 16 else 1
+        assert splitkv.kernel == programs.fp8_narrow_program().kernels[form]
+        assert splitkv.block[0] == (160, 384)[form] and splitkv.grid == (1, 1, parts)
         assert splitkv.options["smem"] == programs.FP8_NARROW_SMEM_BYTES
     else:
         assert splitkv.program == programs.splitkv_program(programs.FP8_Q_TAG if e4m3_q else programs.FP8_TAG)

@@ -27,8 +27,10 @@ constexpr int kSplitKVThreads = FLASHMLA_SPLITKV_THREADS;
 constexpr int kProducerThreads = FLASHMLA_PRODUCER_THREADS;
 constexpr int kFp8StagedRowBytes = FLASHMLA_FP8_STAGED_ROW_BYTES;   // dense FP8 cache: fp8_expand.cuh
 constexpr int kFp8NarrowRows = FLASHMLA_FP8_NARROW_ROWS;            // dense FP8 cache: fp8_narrow_kernel.cu
+constexpr int kFp8NarrowMmaSyncRows = FLASHMLA_FP8_NARROW_MMA_SYNC_ROWS;
 constexpr int kFp8NarrowStages = FLASHMLA_FP8_NARROW_STAGES;
 constexpr int kFp8NarrowThreads = FLASHMLA_FP8_NARROW_THREADS;
+constexpr int kFp8NarrowWgmmaThreads = FLASHMLA_FP8_NARROW_WGMMA_THREADS;
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
 static_assert(kBlockN == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "a page buffer tile is 64 rows x 64 columns");
 
