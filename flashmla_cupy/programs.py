@@ -39,7 +39,7 @@ def _fp8_narrow_smem_bytes() -> int:
     mbarriers per stage + Q's, padded to 1024 bytes."""
     page = 5 * constants.BLOCK_N * constants.FP8_STAGED_ROW_BYTES
     q = (constants.HEAD_DIM_K // constants.TMA_BOX) * constants.BLOCK_M * constants.TMA_BOX * 2
-    groups = 2
+    groups = constants.FP8_NARROW_WGMMA_THREADS // 128 - 1   # the WGMMA form's, and a loading warpgroup
     p = groups * 2 * constants.FP8_NARROW_ROWS * constants.BLOCK_N * 2
     rows = (groups * (2 * 4 + 4) + groups + 1) * constants.FP8_NARROW_ROWS * 4 + 4
     size = constants.FP8_NARROW_STAGES * (page + 4) + q + p + rows

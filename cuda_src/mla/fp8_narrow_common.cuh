@@ -18,10 +18,10 @@ namespace flashmla {
 // A consumer group is four warps (one warpgroup); the WGMMA form has two, which take the pages in
 // turn and merge their rows at the end of a request.
 constexpr int kNarrowWarps = 4;
-constexpr int kNarrowGroups = 2;                                       // at most
+constexpr int kNarrowGroups = kFp8NarrowWgmmaThreads / 128 - 1;        // at most: the WGMMA form's
 static_assert(kNarrowWarps * 16 == kBlockN && kNarrowWarps * 128 == kHeadDimV, "a warp's tokens and columns");
 static_assert((kFp8NarrowThreads / 32 - 1) == kNarrowWarps, "the mma.sync form: one group and a loading warp");
-static_assert(kFp8NarrowWgmmaThreads == 128 * (kNarrowGroups + 1), "the WGMMA form: two groups and a loading warpgroup");
+static_assert(kNarrowGroups == 2, "the WGMMA form: two groups and a loading warpgroup");
 
 struct alignas(1024) NarrowStorage {
     alignas(1024) uint8_t stage[kFp8NarrowStages][kStagedPageBytes];   // staged pages, boxes packed

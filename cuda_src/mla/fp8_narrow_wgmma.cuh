@@ -7,7 +7,7 @@
 //
 // Per page (64 tokens = M), for the 32 rows (N):
 //   S^T = K Q^T: 36 m64n32k16 steps; A = K converted in registers, B = Q (fp16, permuted dims) in
-//     shared memory; each 64 dims converted while the previous 64's steps run;
+//     shared memory; each batch of 2 k-steps converted while the previous one runs;
 //   the page's row max: over a warp's 16 tokens by shuffles, over the four warps through shared
 //     memory (a named barrier); P^T = exp2(S^T - max) into shared memory as P (32 rows x 64,
 //     stmatrix with transpose), a second barrier;
@@ -214,7 +214,6 @@ struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
         if (__any_sync(0xffffffffu, rescale)) {                       // the last P V is complete (values waited)
             #pragma unroll
             for (int t = 0; t < kTilesV; ++t) {
-                fence_accumulators(o[t]);
                 #pragma unroll
                 for (int at = 0; at < 16; ++at) o[t][at] *= factor[2 * (at / 4) + at % 2];
             }
@@ -267,12 +266,13 @@ struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
                     if (tokens[r] >= valid) v[r] = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
+            constexpr int kBatch = 2;                                 // tiles a batch: fewer fragments live
             #pragma unroll
-            for (int half = 0; half < 4; ++half) {                    // 4 tiles a batch: fewer fragments live
-                uint32_t a[kTilesV / 4][4];
+            for (int batch = 0; batch < kTilesV / kBatch; ++batch) {
+                uint32_t a[kBatch][4];
                 #pragma unroll
-                for (int i = 0; i < kTilesV / 4; ++i) {               // column bytes 2t, 2t + 1 of each token
-                    const int t = kTilesV / 4 * half + i;
+                for (int i = 0; i < kBatch; ++i) {                    // column bytes 2t, 2t + 1 of each token
+                    const int t = kBatch * batch + i;
                     const uint32_t selector = t % 2 ? 0x7362u : 0x5140u;
                     const uint32_t x = byte_perm(word_of(v[0], t / 2), word_of(v[1], t / 2), selector);
                     const uint32_t y = byte_perm(word_of(v[2], t / 2), word_of(v[3], t / 2), selector);
@@ -282,17 +282,17 @@ struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
                     a[i][3] = e4m3x2_to_fp16x2(y >> 16);
                 }
                 #pragma unroll
-                for (int i = 0; i < kTilesV / 4; ++i) fence_accumulators(o[kTilesV / 4 * half + i]);
+                for (int i = 0; i < kBatch; ++i) fence_accumulators(o[kBatch * batch + i]);
                 cute::warpgroup_arrive();
                 #pragma unroll
-                for (int i = 0; i < kTilesV / 4; ++i) {
-                    mma(a[i], sw128_k_major_desc(p_buf + 32 * ks), o[kTilesV / 4 * half + i], true);
-                }
+                for (int i = 0; i < kBatch; ++i) mma(a[i], sw128_k_major_desc(p_buf + 32 * ks), o[kBatch * batch + i], true);
                 cute::warpgroup_commit_batch();
                 cute::warpgroup_wait<1>();
             }
         }
         cute::warpgroup_wait<0>();
+        #pragma unroll
+        for (int t = 0; t < kTilesV; ++t) fence_accumulators(o[t]);  // O is read only after the wait
     }
 
     // The rows' softmax sums: the warp's 16 tokens by shuffles, then the four warps'.
@@ -375,10 +375,7 @@ struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
     }
 
     // O / sum (times k_scale) and lse of the request's rows.
-    __device__ __forceinline__ void store(const NarrowOutput& out, const float (&sums)[kRowsPerThread]) {
-        cute::warpgroup_wait<0>();
-        #pragma unroll
-        for (int t = 0; t < kTilesV; ++t) fence_accumulators(o[t]);
+    __device__ __forceinline__ void store(const NarrowOutput& out, const float (&sums)[kRowsPerThread]) const {
         #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
             const int q_row = row_of(i);
