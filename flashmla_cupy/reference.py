@@ -95,7 +95,8 @@ def _check_mla_shapes(q, k_cache, block_table, cache_seqlens, head_dim_v):
 
 
 def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
-               softmax_scale: float | None = None, causal: bool = False, k_scale=None, q_scale=None):
+               softmax_scale: float | None = None, causal: bool = False, k_scale=None, q_scale=None,
+               *, abs_values: bool = False):
     """Paged MLA decoding attention in float64 (what ``flash_mla_with_kvcache`` computes).
 
     Args:
@@ -117,6 +118,9 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
         k_scale, q_scale: the dequantization scales of an FP8 k_cache and q (required with
             them, refused without): values are ``fp8 * scale``, exactly in float64
             (``quant.quantize_fp8_per_tensor``).
+        abs_values: the same weights applied to |V| instead of V: ``sum_j p_j |v_j| / sum_j p_j``,
+            the scale of an error made relative to each weight (the tests' bound for P rounded
+            to e4m3).
 
     Returns:
         ``(out, lse)`` in float64: ``[b, s_q, h_q, head_dim_v]`` and ``[b, h_q, s_q]`` (natural-log
@@ -168,7 +172,8 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int = 512,
             sums = weights.sum(axis=1)
             empty = sums == 0
             sums = xp.where(empty, 1.0, sums)
-            o = (weights @ k[:, :head_dim_v]) / sums[:, None]            # empty rows: 0 / 1
+            v = xp.abs(k[:, :head_dim_v]) if abs_values else k[:, :head_dim_v]
+            o = (weights @ v) / sums[:, None]                              # empty rows: 0 / 1
             row_lse = xp.where(empty, np.inf, xp.log(sums) + shift)
             out[i, :, heads, :] = o.reshape(s_q, heads_per_kv, head_dim_v)
             lse[i, heads, :] = row_lse.reshape(s_q, heads_per_kv).T

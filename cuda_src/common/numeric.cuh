@@ -1,5 +1,5 @@
 // Floating-point constants (NVRTC has no <cmath> macros such as INFINITY or M_LOG2E), exp2 on the
-// SFU and the e4m3 -> fp16 conversion.
+// SFU and the e4m3 conversions.
 #pragma once
 #include <cuda/std/cstdint>
 #include <cuda/std/limits>
@@ -26,6 +26,21 @@ __device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
     uint32_t h;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(two_fp8)));
     return h;
+}
+
+// Four floats -> four e4m3 values (round to nearest, saturating at +-448), a in the low byte.
+__device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
+    uint16_t lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// Bytes of {b, a} picked by the selector's nibbles (prmt: a's bytes are 0-3, b's 4-7).
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
 }
 
 // A bf16 pair -> fp16x2 (round to nearest; what fp16 cannot hold becomes inf or rounds to 0).

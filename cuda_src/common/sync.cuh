@@ -18,9 +18,19 @@ __device__ __forceinline__ uint4 load_shared(uint32_t src) {
     return v;
 }
 
+__device__ __forceinline__ uint32_t load_shared_u32(uint32_t src) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(src) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void store_shared(uint32_t dst, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
+}
+
+__device__ __forceinline__ void store_shared_u32(uint32_t dst, uint32_t v) {
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(dst), "r"(v) : "memory");
 }
 
 // The thread index, read here (volatile): the compiler can then neither hoist what is computed

@@ -10,9 +10,9 @@
 // the previous request), tiles 7..4, whose space holds no box; tiles 3, 2 into boxes 3, 2 once
 // every thread has read those; tiles 1, 0 into boxes 1, 0 likewise. The consumers' QK^T takes
 // the tiles in this order (SplitKVTraits::kQkFromLastTile).
-// An e4m3 q (T::kE4m3Q): QK^T is an FP8 WGMMA on the staged boxes themselves, so only V's tiles
-// 7..0 are expanded, and tiles 3..0, which overwrite boxes, wait until that QK^T is done
-// (k_read_barrier).
+// An e4m3 q (T::kE4m3Q): QK^T is an FP8 WGMMA on the staged boxes themselves and P V one on V^T,
+// which the expander writes as e4m3 into tiles 4-7's space (transpose_page): the boxes stay as
+// staged, and a page's V^T waits for nothing but its bytes and the release of the V^T before it.
 #pragma once
 #include <cuda/std/cstdint>
 
@@ -41,7 +41,7 @@ struct Fp8Expander {
 
     typename T::SharedStorage& st;
     const int idx;                                  // thread within the warpgroup
-    // bit b / 2 + b / 4 + b: buffer b's next bar_staged / bar_free / k_read_barrier phase
+    // bit b / 2 + b: buffer b's next bar_staged / bar_free phase
     uint32_t phases = 0;
 
     __device__ __forceinline__ explicit Fp8Expander(typename T::SharedStorage& storage)
@@ -76,36 +76,105 @@ struct Fp8Expander {
 
     __device__ __forceinline__ void everyone_has_read() const { named_barrier_sync(kExpandBarrier, 128); }
 
-    // The page in buffer `buf`, the `nth` page of its request (0, 1, ...), whose first `valid`
-    // rows hold tokens.
-    __device__ __forceinline__ void expand_page(int buf, int nth, int valid) {
+    __device__ __forceinline__ void wait_staged(int buf) {
         const uint32_t bar_staged = smem_u32(&st.bar_staged[buf]);
         if (idx == 0) mbarrier_arrive_expect_tx(bar_staged, kStagedPageBytes);
         mbarrier_wait(bar_staged, (phases >> buf) & 1);
         phases ^= 1u << buf;
+    }
+
+    // The consumers are done with what the page before last left in buffer `buf` (its V_R, or
+    // an e4m3 q's V^T).
+    __device__ __forceinline__ void wait_free(int buf) {
+        mbarrier_wait(smem_u32(&st.bar_free[buf]), (phases >> (2 + buf)) & 1);
+        phases ^= 4u << buf;
+    }
+
+    // The page in buffer `buf`, the `nth` page of its request (0, 1, ...), whose first `valid`
+    // rows hold tokens.
+    __device__ __forceinline__ void expand_page(int buf, int nth, int valid) {
+        if constexpr (T::kE4m3Q) {
+            transpose_page(buf, nth, valid);
+            return;
+        }
+        wait_staged(buf);
         // Tiles from the first to expand down to 0, each tile's bytes read while the one before
         // is written (the reads touch no space a write overwrites before the barrier below it).
-        constexpr int kFirst = T::kE4m3Q ? kTilesV - 1 : kTilesK - 1;
+        constexpr int kFirst = kTilesK - 1;
         uint4 raw[2], next[2];
         read(buf, kFirst, valid, raw);
         CUTE_UNROLL
         for (int tile = kFirst; tile >= 0; --tile) {
             if (tile > 0) read(buf, tile - 1, valid, next);
-            if (tile == kTilesV - 1 && nth >= 2) {               // tiles 7..4 go where V_R was
-                mbarrier_wait(smem_u32(&st.bar_free[buf]), (phases >> (2 + buf)) & 1);
-                phases ^= 4u << buf;
-            }
-            if constexpr (T::kE4m3Q) {
-                if (tile == 3) {                                // QK^T has read the boxes
-                    mbarrier_wait(k_read_barrier(st, buf), (phases >> (4 + buf)) & 1);
-                    phases ^= 16u << buf;
-                }
-            }
+            if (tile == kTilesV - 1 && nth >= 2) wait_free(buf);   // tiles 7..4 go where V_R was
             // Box 4 (tile 8's own bytes), boxes 3 and 2, boxes 1 and 0 are read by every thread.
             if (tile == kTilesK - 1 || tile == 3 || tile == 1) everyone_has_read();
             write(buf, tile, raw);
             raw[0] = next[0];
             raw[1] = next[1];
+        }
+    }
+
+    // An e4m3 q: V^T of the page in buffer `buf` (e4m3, K-major, 64-byte swizzle; fp8_staged.cuh),
+    // half 0 (columns 0-255) then half 1, each announced on its barrier (bar_kv[buf][half]). Its
+    // rows' bytes follow the token order of P's registers (p_to_e4m3): byte 16 c + 4 q + i of a
+    // row is token 16 c + 8 (i / 2) + 2 q + i % 2. Warp w takes box 2 half + w / 2 (128 columns)
+    // and chunks c = 2 (w % 2) + {0, 1}: lane l reads bytes 4 l .. 4 l + 3 of the chunk's 16 token
+    // rows (a whole 128-byte row per load instruction), transposes each 4 x 4 block of bytes with
+    // byte permutes and writes the 16-byte chunk c of its four columns' rows. Lane l writes those
+    // rows rotated by (l / 2) % 4, so that each quarter-warp's stores cover all eight 16-byte bank
+    // slots. Rows from `valid` on (no token) read as zeros (their slots may hold NaN).
+    __device__ __forceinline__ void transpose_page(int buf, int nth, int valid) {
+        wait_staged(buf);
+        if (nth >= 2) wait_free(buf);
+        // The thread index read afresh: otherwise every token's address and bound, computed
+        // from it, is hoisted out of the page loop (64 values: spilled).
+        const int tid = thread_index_here() % 128;
+        const int lane = tid % 32, warp = tid / 32;
+        const uint32_t page = smem_u32(st.kv[buf]);
+        uint32_t order[4], rows[4];             // output k: byte order[k] of the reads, into V^T row rows[k]
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+            order[k] = (k + lane / 2) % 4;
+            rows[k] = 4 * lane + order[k];
+        }
+        // Byte selectors: [x0.o0, x1.o0, x0.o1, x1.o1] and the same for o2, o3.
+        const uint32_t sel01 = order[0] | (4 + order[0]) << 4 | order[1] << 8 | (4 + order[1]) << 12;
+        const uint32_t sel23 = order[2] | (4 + order[2]) << 4 | order[3] << 8 | (4 + order[3]) << 12;
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            const int box = 2 * half + warp / 2;
+            const uint32_t staged = page + staged_box_offset(box) + 4 * (lane % 4);
+            const uint32_t vt = page + transposed_v_offset(half) + (box % 2) * (kTransposedVHalfBytes / 2);
+            CUTE_UNROLL
+            for (int u = 0; u < 2; ++u) {
+                const int c = 2 * (warp % 2) + u;
+                const uint32_t chunk_rows = staged + 16 * c * kFp8StagedRowBytes;
+                const int chunk_valid = valid - 16 * c;
+                uint32_t out[4][4];             // [k][q]: row rows[k], bytes 4 q .. 4 q + 3 of chunk c
+                CUTE_UNROLL
+                for (int q = 0; q < 4; ++q) {
+                    uint32_t x[4];
+                    CUTE_UNROLL
+                    for (int i = 0; i < 4; ++i) {
+                        const int token = 8 * (i / 2) + 2 * q + i % 2;      // of the chunk's 16
+                        x[i] = token < chunk_valid ? load_shared_u32(swizzled_chunk(chunk_rows, token, lane / 4)) : 0u;
+                    }
+                    const uint32_t a01 = byte_perm(x[0], x[1], sel01), a23 = byte_perm(x[2], x[3], sel01);
+                    const uint32_t b01 = byte_perm(x[0], x[1], sel23), b23 = byte_perm(x[2], x[3], sel23);
+                    out[0][q] = byte_perm(a01, a23, 0x5410);
+                    out[1][q] = byte_perm(a01, a23, 0x7632);
+                    out[2][q] = byte_perm(b01, b23, 0x5410);
+                    out[3][q] = byte_perm(b01, b23, 0x7632);
+                }
+                CUTE_UNROLL
+                for (int k = 0; k < 4; ++k) {
+                    store_shared(vt + sw64_offset(rows[k], 16 * c), make_uint4(out[k][0], out[k][1], out[k][2], out[k][3]));
+                }
+            }
+            fence_smem_for_async_proxy();               // the consumers' WGMMAs read these stores
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(smem_u32(&st.bar_kv[buf][half]));
         }
     }
 };

@@ -47,17 +47,6 @@ static_assert(sizeof(NarrowStorage) == FLASHMLA_FP8_NARROW_SMEM_BYTES, "host and
 enum class NarrowBarrier : int { kQReady = 1, kGroupsDone = 2, kMerged = 3,
                                  kPageMax = 4, kPReady = 5, kSums = 6, kMergeRead = 7 };
 
-__device__ __forceinline__ uint32_t load_shared_u32(uint32_t src) {
-    uint32_t v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(src) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
-    uint32_t d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-    return d;
-}
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

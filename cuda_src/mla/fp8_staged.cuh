@@ -9,6 +9,9 @@
 // shared address, so pieces of a few rows keep it) makes each box a K-major operand of FP8
 // WGMMA as it stands and spreads the expander's reads over all banks. An e4m3 Q is staged the
 // same way, box b at 8 KB b of Q's buffer.
+//
+// With an e4m3 q the boxes are never overwritten: the expander writes V^T (e4m3, 512 rows of the
+// page's 64 tokens, 64-byte swizzle) into tiles 4-7's space, between them.
 #pragma once
 #include <cuda/std/cstdint>
 
@@ -25,6 +28,19 @@ static_assert(kFp8StagedRowBytes == kSwizzleRowBytes && kStagedBoxBytes == kFp16
 // Byte offset of staged box `box` in a page buffer (see above).
 __device__ __forceinline__ constexpr uint32_t staged_box_offset(int box) {
     return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp16TileBytes;
+}
+
+// An e4m3 q: where V^T's half `half` (columns 256 half .. 256 half + 255) lies in a page buffer.
+constexpr uint32_t kTransposedVHalfBytes = kHeadDimV / 2 * kBlockN;
+__device__ __forceinline__ constexpr uint32_t transposed_v_offset(int half) {
+    return (kStagedBoxes - 1) * kStagedBoxBytes + half * kTransposedVHalfBytes;
+}
+static_assert(transposed_v_offset(2) == staged_box_offset(kStagedBoxes - 1), "V^T fills tiles 4-7's space");
+
+// Byte `byte` (< 64) of row `row` of a K-major e4m3 operand with 64-byte rows and the 64-byte
+// swizzle (GMMA::Layout_K_SW64_Atom): a row's 16-byte chunks permuted by bits 1-2 of the row.
+__device__ __forceinline__ constexpr uint32_t sw64_offset(int row, int byte) {
+    return row * 64 + (((byte >> 4) ^ (row >> 1)) & 3) * 16 + (byte & 15);
 }
 
 }  // namespace flashmla

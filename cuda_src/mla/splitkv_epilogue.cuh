@@ -49,12 +49,13 @@ __device__ __forceinline__ void reduce_row_sums(RowState& rows, typename T::Shar
 // Row r's lse, written by thread r of the CTA (r < num_rows), after reduce_row_sums.
 // 1 / sum of this thread's two rows (NaN for a bad request), times the attention sink's
 // factor where the request is not split (the combine kernel applies it to split requests), and
-// the dense FP8 cache's scale (V's, which is K's).
+// the dense FP8 cache's scale (V's, which is K's; an e4m3 q's P V also carries kE4m3PScale).
 template <typename T>
 __device__ __forceinline__ void output_factors(const SplitKVParams& p, typename T::SharedStorage& st,
                                                const OutputTarget& out, const float (&sums)[2],
                                                int idx_in_wg, float (&factor)[2]) {
-    const float v_scale = T::kCache == KVCache::kFp8 ? *p.kv_scale : 1.0f;
+    float v_scale = T::kCache == KVCache::kFp8 ? *p.kv_scale : 1.0f;
+    if constexpr (T::kE4m3Q) v_scale /= kE4m3PScale;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const float sum = sums[half];

@@ -8,6 +8,7 @@
 
 #include "common/sync.cuh"
 #include "mla/fp8_staged.cuh"
+#include "mla/splitkv_softmax.cuh"
 #include "mla/splitkv_traits.cuh"
 
 namespace flashmla {
@@ -25,10 +26,26 @@ __device__ __forceinline__ auto smem_tile(E* base) {                        // (
 }
 
 // Columns [256*kHalf, 256*kHalf + 256) of V = the page buffer read as V^T: (256, 64 tokens).
+// An e4m3 q: the expander's e4m3 V^T of that half (fp8_staged.cuh).
 template <typename T, int kHalf>
 __device__ __forceinline__ auto smem_v_half(typename T::Element* page) {
-    auto v = make_tensor(make_smem_ptr(page), typename T::SmemLayoutV{});
-    return local_tile(v, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));
+    if constexpr (T::kE4m3Q) {
+        auto vt = reinterpret_cast<cutlass::float_e4m3_t*>(page) + transposed_v_offset(kHalf);
+        return make_tensor(make_smem_ptr(vt), typename T::SmemLayoutVtHalf{});
+    } else {
+        auto v = make_tensor(make_smem_ptr(page), typename T::SmemLayoutV{});
+        return local_tile(v, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));
+    }
+}
+
+// A P buffer (p0, or warpgroup 1's in sQ) as P V's A operand: 64 x 64 of Element, or of e4m3.
+template <typename T>
+__device__ __forceinline__ auto smem_p_tile(typename T::Element* sp) {
+    if constexpr (T::kE4m3Q) {
+        return make_tensor(make_smem_ptr(reinterpret_cast<cutlass::float_e4m3_t*>(sp)), typename T::SmemLayoutPE4m3{});
+    } else {
+        return smem_tile<T>(sp);
+    }
 }
 
 // Issue C (+)= A B over the first `k_blocks` K-blocks of the fragments (-1: all) as one WGMMA
@@ -160,17 +177,30 @@ __device__ __forceinline__ void pv_smem_p(typename T::Element* sp, typename T::E
                                           FragO& o, int idx_in_wg) {
     typename T::MmaPVSmemP mma;
     auto thr = mma.get_slice(idx_in_wg);
-    wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sp)),
+    wgmma_batch(mma, thr.partition_fragment_A(smem_p_tile<T>(sp)),
                 thr.partition_fragment_B(smem_v_half<T, kHalf>(page)), o, false);
 }
 
-// P (accumulator layout, converted to Element) -> shared memory tile, with stmatrix.
+// P (accumulator layout, converted to Element) -> shared memory tile, with stmatrix. An e4m3 P:
+// each register (p_to_e4m3) is four bytes of one row of the 64-byte-swizzled tile, in k order;
+// the eight rows of a warp's store fall in eight different 16-byte slots of the banks.
 template <typename T, typename FragP>
 __device__ __forceinline__ void store_p(FragP const& p, typename T::Element* sp, int idx_in_wg) {
-    auto copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, typename T::Element>{},
-                                  typename T::MmaQK{});
-    auto thr = copy.get_slice(idx_in_wg);
-    cute::copy(copy, thr.retile_S(p), thr.partition_D(smem_tile<T>(sp)));
+    if constexpr (T::kE4m3Q) {
+        auto words = recast<uint32_t>(p);
+        const uint32_t base = smem_u32(sp);
+        CUTE_UNROLL
+        for (int r = 0; r < 8; ++r) {
+            const int row = fragment_row(r % 2, idx_in_wg);
+            const int k = 32 * (r / 4) + 16 * ((r / 2) % 2) + 4 * (idx_in_wg % 4);
+            store_shared_u32(base + sw64_offset(row, k), words(r));
+        }
+    } else {
+        auto copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, typename T::Element>{},
+                                      typename T::MmaQK{});
+        auto thr = copy.get_slice(idx_in_wg);
+        cute::copy(copy, thr.retile_S(p), thr.partition_D(smem_tile<T>(sp)));
+    }
 }
 
 // A 64 x 64 shared-memory tile of E -> registers in the WGMMA A-operand layout, with ldmatrix.

@@ -21,8 +21,8 @@
 // values. The dense FP8 cache (KVCache::kFp8): the requests, pages and seesaw above; TMA stages
 // each page's e4m3 bytes inside its own page buffer where the seesaw has freed it, and the third
 // warpgroup expands them in place (fp8_expand.cuh); the scale multiplies the scores and O. With an
-// e4m3 q (T::kE4m3Q), Q is staged the same way and QK^T is an FP8 WGMMA on the staged bytes;
-// only V is expanded, and P V waits for its tiles.
+// e4m3 q (T::kE4m3Q), Q is staged the same way and QK^T is an FP8 WGMMA on the staged bytes; the
+// third warpgroup writes V^T in e4m3 beside them, and P V is an FP8 WGMMA with P rounded to e4m3.
 // Sparse decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a
 // page 64 of its indices; the third warpgroup gathers and dequantizes the tokens
 // (fp8_producer.cuh) for consumers of another schedule (fp8_consumers.cuh), and with two
@@ -217,22 +217,27 @@ struct SplitKVCta {
         }
     }
 
-    // An e4m3 q: P V waits for the expander's tiles of V half `kHalf` of the page in kv[buf];
-    // bit b of `v_phases` is buffer b's phase (each warpgroup reads half of every page's V).
-    template <int kHalf>
+    // An e4m3 q: P V waits for the expander's V^T half `kHalf` of the page in kv[buf] (its
+    // barrier: bar_kv[buf][kHalf]); bit b of `v_phases` is buffer b's phase (each warpgroup reads
+    // half of every page's V). kPeek: the other half of the page just waited for, phase unchanged.
+    template <int kHalf, bool kPeek = false>
     __device__ __forceinline__ void wait_expanded(int buf, uint32_t& v_phases) const {
         if constexpr (T::kE4m3Q) {
-            const uint32_t bar = buf ? bar_kv1 : bar_kv0;
-            CUTE_UNROLL
-            for (int t = 4 * kHalf; t < 4 * kHalf + 4; ++t) mbarrier_wait(bar + t * 8, (v_phases >> buf) & 1);
-            v_phases ^= 1u << buf;
+            const uint32_t bar = (buf ? bar_kv1 : bar_kv0) + kHalf * sizeof(uint64_t);
+            if constexpr (kPeek) {
+                mbarrier_wait(bar, ((v_phases >> buf) & 1) ^ 1);
+            } else {
+                mbarrier_wait(bar, (v_phases >> buf) & 1);
+                v_phases ^= 1u << buf;
+            }
         }
     }
 
-    // An e4m3 q: this warpgroup's QK^T (complete) has read the staged page in kv[buf].
-    __device__ __forceinline__ void staged_read_done(int buf) const {
+    // An e4m3 q: warpgroup 0's P V of the page in kv[buf] is done with its V^T (warpgroup 1's
+    // half: refill_v_right). One arrival per warp on bar_free.
+    __device__ __forceinline__ void release_v_left(int buf) const {
         if constexpr (T::kE4m3Q) {
-            if (idx % 32 == 0) mbarrier_arrive(k_read_barrier(st, buf));
+            if (idx % 32 == 0) mbarrier_arrive(smem_u32(&st.bar_free[buf]));
         }
     }
 
@@ -263,7 +268,7 @@ struct SplitKVCta {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
         const int first_token = page * kBlockN;
-        Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
+        Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
         // instead of delaying the TMA requests that need them.
         int next_id0 = 0, next_id1 = 0;
@@ -280,10 +285,15 @@ struct SplitKVCta {
         if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
         pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
         warpgroup_wait<0>();
+        if constexpr (!kLast0 && !kLast1) release_v_left(0);
 
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
         if constexpr (!kLast0 && !kLast1) {
-            if (loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);   // V0_L consumed
+            if (loads_piece()) {
+                // An e4m3 q: the expander has also read V_R's bytes (V0^T_R written).
+                wait_expanded<1, true>(0, v_phases);
+                load_page_tiles<0, 4>(0, page + 2, next_id0);   // V0_L consumed
+            }
         }
         float scale1[2];
         read_scale1(st.scale1, idx, scale1);
@@ -309,6 +319,7 @@ struct SplitKVCta {
             }
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
+                release_v_left(1);
                 if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
             if constexpr (T::kE4m3Q) {
@@ -319,7 +330,6 @@ struct SplitKVCta {
             phase0 ^= 1;
         }
         warpgroup_wait<0>();
-        if constexpr (!kLast0 && !kLast1) staged_read_done(0);
     }
 
     // Warpgroup 1 on the page pair (page, page + 1); kLast2: page + 2 is the last page.
@@ -330,7 +340,7 @@ struct SplitKVCta {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
         const int first_token = (page + 1) * kBlockN;
-        Tensor pb = make_tensor<Element>(typename T::LayoutFragA{});
+        Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
         if constexpr (!kLast0 && !kLast1) {
             if (loads_piece()) {
@@ -371,7 +381,6 @@ struct SplitKVCta {
         }
         // Kept outside the branches above: a wait inside them makes ptxas serialize the WGMMAs.
         warpgroup_wait<0>();
-        if constexpr (!kLast0 && !kLast1 && !kLast2) staged_read_done(1);
     }
 
     // S = Q K^T of the whole page in kv[buf] (warpgroup 1's order), issued as its tiles arrive
@@ -413,7 +422,6 @@ struct SplitKVCta {
             phase0 ^= 1;
             named_barrier_sync(int(WgBarrier::kRowMaxInit), 128);
             warpgroup_wait<0>();
-            staged_read_done(0);
             #pragma unroll 1
             for (; page < end_page - 2; page += 2) wg0_step<false, false>(page, s, o, q8, rows, phase0, v_phases);
             if (page + 1 < end_page) {
@@ -426,7 +434,6 @@ struct SplitKVCta {
                 qk_page(1, phase1, q8, s);
                 phase1 ^= 1;
                 warpgroup_wait<0>();
-                staged_read_done(1);
             }
             #pragma unroll 1
             for (; page < end_page - 3; page += 2) wg1_step<false, false, false>(page, s, o, q8, rows, phase1, v_phases);
@@ -585,10 +592,11 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
         // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
-        // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right); one arrival (the
+        // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), and with an e4m3 q
+        // every warp of warpgroup 0 its V^T half too (release_v_left); one arrival (the
         // expander's byte count) completes a staged page.
         for (int b = 0; b < 2; ++b) {
-            mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : 4);
+            mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
             mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
         }
         mbarrier_init_fence();

@@ -19,6 +19,7 @@
 #pragma once
 #include <cute/tensor.hpp>
 
+#include "common/numeric.cuh"
 #include "mla/config.cuh"
 
 namespace flashmla {
@@ -31,11 +32,16 @@ using namespace cute;
 constexpr float kMaskedScore = -kInf;
 constexpr float kRowMaxInit = -1e30f;
 constexpr float kStaleMaxLog2 = 8.0f;
+// P rounded to e4m3 (an e4m3 q): the max moves at 2^4, and P times 2^4 (kE4m3PScale) goes into
+// e4m3 (<= 2^8 of its 448): a weight turns subnormal (3 bits fewer) only below 2^-10 of the
+// running max, and is lost below 2^-14.
+constexpr float kStaleMaxLog2E4m3P = 4.0f;
+constexpr float kE4m3PScale = 16.0f;
 
-// The new running max of a row: unchanged unless the page's max passes it by kStaleMaxLog2.
+// The new running max of a row: unchanged unless the page's max passes it by kStale.
 // NaN scores leave it unchanged (as fmaxf would) and propagate through P.
-__device__ __forceinline__ float lazy_row_max(float m_old, float page_max) {
-    return page_max > m_old + kStaleMaxLog2 ? page_max : m_old;
+__device__ __forceinline__ float lazy_row_max(float m_old, float page_max, float stale = kStaleMaxLog2) {
+    return page_max > m_old + stale ? page_max : m_old;
 }
 
 // Whether any of the warp's rows has a rescale factor other than 1 (warp-uniform).
@@ -93,8 +99,33 @@ __device__ __forceinline__ float masked_row_max(FragS& s, int half, int first_to
     return quad_max(mx) * scale_log2;
 }
 
+// P rounded to e4m3 (an e4m3 q's P V), not elementwise like a 16-bit P.
+template <typename FragP>
+constexpr bool kE4m3P = cute::is_same_v<typename FragP::value_type, cutlass::float_e4m3_t>;
+
+// P (S after exponentiate) times the rows' factors -> e4m3 A operand of P V. Register r of k-step
+// ks holds row half r % 2 and the S elements 16 ks + 8 (r / 2) + 2 (r % 2) + {0, 1, 4, 5}, the
+// tokens 32 ks + 16 (r / 2) + 2 (idx % 4) + {0, 1, 8, 9}: so WGMMA's k index 32 ks + 16 h + 4 q + i
+// (thread quad position q) is token 32 ks + 16 h + 8 (i / 2) + 2 q + i % 2, the order in which
+// the expander writes V^T's rows (fp8_expand.cuh). P is scaled by kE4m3PScale (O divided by it
+// in output_factors).
+template <typename FragS, typename FragP>
+__device__ __forceinline__ void p_to_e4m3(FragS const& s, FragP& p, const float (&factor)[2]) {
+    auto words = recast<uint32_t>(p);
+    CUTE_UNROLL
+    for (int ks = 0; ks < 2; ++ks) {
+        CUTE_UNROLL
+        for (int r = 0; r < 4; ++r) {
+            const int e = 16 * ks + 8 * (r / 2) + 2 * (r % 2);
+            const float f = factor[r % 2] * kE4m3PScale;
+            words(4 * ks + r) = f32x4_to_e4m3x4(s(e) * f, s(e + 1) * f, s(e + 4) * f, s(e + 5) * f);
+        }
+    }
+}
+
 // S <- 2^(S*scale - m) in place (fp32 kept for warpgroup 0's later rescale), a copy in the
-// input precision as the next WGMMA's A operand; returns the row's partial sum.
+// input precision as the next WGMMA's A operand (e4m3: p_to_e4m3 once both row halves are
+// done); returns the row's partial sum.
 template <typename FragS, typename FragP>
 __device__ __forceinline__ float exponentiate(FragS& s, FragP& p, int half, float m, float scale_log2) {
     using Element = typename FragP::value_type;
@@ -105,12 +136,13 @@ __device__ __forceinline__ float exponentiate(FragS& s, FragP& p, int half, floa
         for (int e = 0; e < 2; ++e) {
             const float x = exp2_approx(fmaf(s(i + e), scale_log2, -m));
             s(i + e) = x;
-            p(i + e) = Element(x);
+            if constexpr (!kE4m3P<FragP>) p(i + e) = Element(x);
             sum += x;
         }
     }
     return sum;
 }
+
 
 // O's rows times their factors, skipped when the whole warp's factors are 1.
 template <typename FragO>
@@ -135,7 +167,7 @@ __device__ __forceinline__ void wg0_softmax(FragS& s, FragP& p, FragO& o, RowSta
         const float page_max = masked_row_max<kMask, false>(s, half, first_token, rows.right_border[half],
                                                             ~0ull, scale_log2, idx_in_wg);
         const float m_old = row_max[row];
-        const float m_new = lazy_row_max(m_old, page_max);
+        const float m_new = lazy_row_max(m_old, page_max, kE4m3P<FragP> ? kStaleMaxLog2E4m3P : kStaleMaxLog2);
         rescale[half] = exp2_approx(m_old - m_new);
         __syncwarp();   // the quad has read row_max before it changes
         if (idx_in_wg % 4 == 0) {
@@ -143,6 +175,10 @@ __device__ __forceinline__ void wg0_softmax(FragS& s, FragP& p, FragO& o, RowSta
             row_max[row] = m_new;
         }
         rows.sum[half] = rows.sum[half] * rescale[half] + exponentiate(s, p, half, m_new, scale_log2);
+    }
+    if constexpr (kE4m3P<FragP>) {
+        const float unit[2] = {1.0f, 1.0f};
+        p_to_e4m3(s, p, unit);
     }
     scale_rows(o, rescale);
 }
@@ -162,7 +198,7 @@ __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowSta
             const float page_max = masked_row_max<kMask, false>(s, half, first_token, rows.right_border[half],
                                                                 ~0ull, scale_log2, idx_in_wg);
             const float m_old = row_max[row];
-            const float m_new = lazy_row_max(m_old, page_max);
+            const float m_new = lazy_row_max(m_old, page_max, kE4m3P<FragP> ? kStaleMaxLog2E4m3P : kStaleMaxLog2);
             rescale = exp2_approx(m_old - m_new);
             __syncwarp();
             if (idx_in_wg % 4 == 0) row_max[row] = m_new;
@@ -172,19 +208,28 @@ __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowSta
         o_rescale[half] = rescale * scale0[row];
         rows.sum[half] = rows.sum[half] * o_rescale[half] + page_sum;
     }
+    if constexpr (kE4m3P<FragP> && !kNoPage) {
+        const float unit[2] = {1.0f, 1.0f};
+        p_to_e4m3(s, p, unit);
+    }
     scale_rows(o, o_rescale);
 }
 
-// Warpgroup 0, once scale1 is known: P0 * scale1 in the input precision (for warpgroup 1).
+// Warpgroup 0, once scale1 is known: P0 * scale1 in the input precision (for warpgroup 1; e4m3
+// for an e4m3 q).
 // `factor`: the thread's two rows' scale1. Factors of 1 leave P as wg0_softmax converted it.
 template <typename FragS, typename FragP>
 __device__ __forceinline__ void wg0_rescale_p(FragS const& s, FragP& p, const float (&factor)[2]) {
     using Element = typename FragP::value_type;
     if (!warp_needs_rescale(factor)) return;
-    CUTE_UNROLL
-    for (int i = 0; i < size(s); i += 2) {
-        p(i) = Element(s(i) * factor[(i / 2) % 2]);
-        p(i + 1) = Element(s(i + 1) * factor[(i / 2) % 2]);
+    if constexpr (kE4m3P<FragP>) {
+        p_to_e4m3(s, p, factor);
+    } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); i += 2) {
+            p(i) = Element(s(i) * factor[(i / 2) % 2]);
+            p(i + 1) = Element(s(i + 1) * factor[(i / 2) % 2]);
+        }
     }
 }
 

@@ -85,13 +85,14 @@ struct SplitKVTraits {
         GMMA::ss_op_selector<cutlass::float_e4m3_t, cutlass::float_e4m3_t, float,
                              Shape<BlockM, Page, Int<kFp8StagedRowBytes>>, GMMA::Major::K, GMMA::Major::K>()));
     // O_half += P V_half: 64 x 256, K = 64 tokens. P from registers (own page) or from shared
-    // memory (the other warpgroup's page); V is the cache tile read MN-major.
+    // memory (the other warpgroup's page); V is the cache tile read MN-major. An e4m3 q: P V is
+    // an FP8 WGMMA too, P rounded to e4m3 and V transposed by the expander (K-major, fp8_expand.cuh).
+    using PElement = cuda::std::conditional_t<kE4m3Q, cutlass::float_e4m3_t, Element>;
+    static constexpr GMMA::Major kMajorV = kE4m3Q ? GMMA::Major::K : GMMA::Major::MN;
     using MmaPVRegP = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, float, Shape<BlockM, HalfV, Page>,
-                             GMMA::Major::K, GMMA::Major::MN>()));
+        GMMA::rs_op_selector<PElement, PElement, float, Shape<BlockM, HalfV, Page>, GMMA::Major::K, kMajorV>()));
     using MmaPVSmemP = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, HalfV, Page>,
-                             GMMA::Major::K, GMMA::Major::MN>()));
+        GMMA::ss_op_selector<PElement, PElement, float, Shape<BlockM, HalfV, Page>, GMMA::Major::K, kMajorV>()));
 
     // A 64 x 64 tile with 128-byte swizzle: exactly what one TMA box writes.
     using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -105,12 +106,22 @@ struct SplitKVTraits {
     // The same page seen as V^T: (512 columns, 64 tokens).
     using SmemLayoutV = decltype(composition(
         SmemLayoutRows{}, make_layout(Shape<Int<kHeadDimV>, Page>{}, GenRowMajor{})));
+    // An e4m3 q: half of V^T as the expander transposes it, (256 columns, 64 tokens), and P
+    // (64 rows, 64 tokens): e4m3, K-major rows of 64 bytes, 64-byte swizzle (sw64_offset).
+    using SmemLayoutVtHalf = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<cutlass::float_e4m3_t>{},
+                                                    Shape<HalfV, Page>{}));
+    using SmemLayoutPE4m3 = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<cutlass::float_e4m3_t>{},
+                                                   Shape<BlockM, Page>{}));
 
     // Register fragments: S/P as accumulator (64 x 64), O half (64 x 256), and P or Q's last
     // tile as a 64 x 64 A operand in registers.
     using FragS = decltype(partition_fragment_C(MmaQK{}, Shape<BlockM, Page>{}));
     using FragO = decltype(partition_fragment_C(MmaPVRegP{}, Shape<BlockM, HalfV>{}));
     using LayoutFragA = Layout<Shape<Shape<_2, _2, _2>, _1, _4>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+    // P as the A operand of P V: as LayoutFragA, or for e4m3 four bytes of a row per register
+    // (two k-steps of 32 tokens; p_to_e4m3).
+    using LayoutFragAE4m3 = Layout<Shape<Shape<_4, _2, _2>, _1, _2>, Stride<Stride<_1, _4, _8>, _0, _16>>;
+    using LayoutFragP = cuda::std::conditional_t<kE4m3Q, LayoutFragAE4m3, LayoutFragA>;
 
     struct alignas(1024) SharedStorage {
         // 128-byte-swizzled buffers must start on 1024-byte boundaries.
@@ -124,8 +135,9 @@ struct SplitKVTraits {
         int bad_request[2];              // a bad block id was seen (NaN output); slots: run_requests
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full;
-                                         // an e4m3 q: tile 8's is k_read_barrier)
-        uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled (dense: its V_R)
+                                         // an e4m3 q: 0 and 1, each half of V^T)
+        uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled (dense: its V_R;
+                                         // an e4m3 q: its V^T)
         uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
     };
@@ -135,14 +147,6 @@ struct SplitKVTraits {
 #endif
     static_assert(sizeof(SharedStorage) == FLASHMLA_SPLITKV_SMEM_BYTES, "host and device shared-memory sizes differ");
 };
-
-// An e4m3 q: tile 8 (RoPE) of a page is never expanded; its barrier instead completes when the
-// four warps whose QK^T read the page's staged boxes are done (the expander may then write V's
-// tiles 0-3 over them).
-template <typename Storage>
-__device__ __forceinline__ uint32_t k_read_barrier(Storage& st, int buf) {
-    return smem_u32(&st.bar_kv[buf][kTilesK - 1]);
-}
 
 // Named barriers between the two warpgroups (0 is __syncthreads).
 enum class WgBarrier : int {
