@@ -219,18 +219,27 @@ struct SplitKVCta {
 
     // An e4m3 q: P V waits for the expander's V^T half `kHalf` of the page in kv[buf] (its
     // barrier: bar_kv[buf][kHalf]); bit b of `v_phases` is buffer b's phase (each warpgroup reads
-    // half of every page's V). kPeek: the other half of the page just waited for, phase unchanged.
-    template <int kHalf, bool kPeek = false>
+    // half of every page's V).
+    template <int kHalf>
     __device__ __forceinline__ void wait_expanded(int buf, uint32_t& v_phases) const {
         if constexpr (T::kE4m3Q) {
-            const uint32_t bar = (buf ? bar_kv1 : bar_kv0) + kHalf * sizeof(uint64_t);
-            if constexpr (kPeek) {
-                mbarrier_wait(bar, ((v_phases >> buf) & 1) ^ 1);
-            } else {
-                mbarrier_wait(bar, (v_phases >> buf) & 1);
-                v_phases ^= 1u << buf;
-            }
+            mbarrier_wait((buf ? bar_kv1 : bar_kv0) + kHalf * sizeof(uint64_t), (v_phases >> buf) & 1);
+            v_phases ^= 1u << buf;
         }
+    }
+
+    // An e4m3 q: the page after next, `page`, staged into kv[buf] as soon as the page there is
+    // done with its staged bytes: its QK^T (this warpgroup's, complete) and the expander's reads
+    // (both halves of its V^T written; called after this warpgroup's wait_expanded of that page,
+    // hence the phase before it). Issued with this warpgroup's first P V of the page, while the
+    // other warpgroup works, where the 16-bit cache refills only after its second.
+    __device__ __forceinline__ void stage_page_after_next(int buf, int page, int block, uint32_t v_phases) const {
+        if (!loads_piece()) return;
+        const uint32_t bar = buf ? bar_kv1 : bar_kv0;
+        const uint32_t phase = ((v_phases >> buf) & 1) ^ 1;
+        mbarrier_wait(bar, phase);
+        mbarrier_wait(bar + sizeof(uint64_t), phase);
+        load_page_tiles<0, 4>(buf, page, block);
     }
 
     // An e4m3 q: warpgroup 0's P V of the page in kv[buf] is done with its V^T (warpgroup 1's
@@ -275,7 +284,7 @@ struct SplitKVCta {
         if constexpr (!kLast0 && !kLast1) {
             if (loads_piece()) {
                 next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
-                if (page + 3 < end_page) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
+                if (!T::kE4m3Q && page + 3 < end_page) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
             }
         }
 
@@ -284,16 +293,13 @@ struct SplitKVCta {
         wait_expanded<0>(0, v_phases);
         if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
         pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
+        if constexpr (T::kE4m3Q && !kLast0 && !kLast1) stage_page_after_next(0, page + 2, next_id0, v_phases);
         warpgroup_wait<0>();
         if constexpr (!kLast0 && !kLast1) release_v_left(0);
 
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
-        if constexpr (!kLast0 && !kLast1) {
-            if (loads_piece()) {
-                // An e4m3 q: the expander has also read V_R's bytes (V0^T_R written).
-                wait_expanded<1, true>(0, v_phases);
-                load_page_tiles<0, 4>(0, page + 2, next_id0);   // V0_L consumed
-            }
+        if constexpr (!kLast0 && !kLast1 && !T::kE4m3Q) {
+            if (loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);   // V0_L consumed
         }
         float scale1[2];
         read_scale1(st.scale1, idx, scale1);
@@ -320,7 +326,9 @@ struct SplitKVCta {
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
                 release_v_left(1);
-                if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
+                if constexpr (!T::kE4m3Q) {
+                    if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
+                }
             }
             if constexpr (T::kE4m3Q) {
                 qk_staged<T, 4, 1, false>(st.q, k0, smem_u32(&st.bar_staged[0]), phase0, s, idx);
@@ -360,6 +368,7 @@ struct SplitKVCta {
             if constexpr (kLast1) zero_invalid_v_rows<1>(k1, seqlen - first_token);
             pv_reg_p<T, 1>(pb, k1, o, idx);                      // O_R += P1 V1_R
             fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
+            if constexpr (T::kE4m3Q && !kLast1 && !kLast2) stage_page_after_next(1, page + 3, next_id1, v_phases);
         }
         named_barrier_sync(int(WgBarrier::kP0Ready), 256);
         wait_expanded<1>(0, v_phases);
