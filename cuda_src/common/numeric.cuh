@@ -28,6 +28,25 @@ __device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
     return h;
 }
 
+// An fp16x2 pair -> two e4m3 values (round to nearest, saturating), in the low 16 bits.
+__device__ __forceinline__ uint32_t fp16x2_to_e4m3x2(uint32_t pair) {
+    uint16_t two;
+    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(two) : "r"(pair));
+    return two;
+}
+
+__device__ __forceinline__ uint32_t fp16x2_mul(uint32_t a, uint32_t b) {
+    uint32_t out;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+    return out;
+}
+
+__device__ __forceinline__ uint32_t fp16x2_splat(float x) {
+    uint32_t out;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(out) : "f"(x));
+    return out;
+}
+
 // Four floats -> four e4m3 values (round to nearest, saturating at +-448), a in the low byte.
 __device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
     uint16_t lo, hi;

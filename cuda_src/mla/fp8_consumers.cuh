@@ -54,7 +54,7 @@ __device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, 
         for (int half = 0; half < 2; ++half) {
             const float page_max = masked_row_max<false, true>(s, half, first_token, rows.right_border[half], valid,
                                                                scale_log2, idx);
-            const float m_new = lazy_row_max(row_max[half], page_max);
+            const float m_new = lazy_row_max<false>(row_max[half], page_max);
             factor[half] = exp2_approx(row_max[half] - m_new);
             row_max[half] = m_new;
             rows.sum[half] = rows.sum[half] * factor[half] + exponentiate(s, pb, half, m_new, scale_log2);

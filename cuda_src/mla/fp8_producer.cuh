@@ -54,18 +54,6 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* ptr) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
 }
 
-__device__ __forceinline__ uint32_t fp16x2_mul(uint32_t a, uint32_t b) {
-    uint32_t out;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
-    return out;
-}
-
-__device__ __forceinline__ uint32_t fp16x2_splat(float x) {
-    uint32_t out;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(out) : "f"(x));
-    return out;
-}
-
 // The byte offset of a row without a token (zeros).
 constexpr int64_t kSkippedToken = -1;
 

@@ -307,6 +307,12 @@ struct SplitKVCta {
         store_p<T>(pb, st.p0, idx);
         fence_smem_for_async_proxy();
         named_barrier_arrive(int(WgBarrier::kP0Ready), 256);
+        if constexpr (T::kE4m3Q && !kLast0 && !kLast1) {
+            // S0 of page + 2, while warpgroup 1 issues its P V: P0 was rescaled from itself, so
+            // S's registers are free.
+            qk_staged<T, 0, kStagedBoxes, true>(st.q, k0, smem_u32(&st.bar_staged[0]), phase0, s, idx);
+            phase0 ^= 1;
+        }
 
         if constexpr (!kLast0) {
             wait_expanded<0>(1, v_phases);
@@ -315,29 +321,20 @@ struct SplitKVCta {
             wg0_rescale_o(o, rows, scale1);
             pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
         }
-        if constexpr (!kLast0 && !kLast1) {
-            // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5;
-            // an e4m3 q: boxes 0-3, then 4).
-            if constexpr (T::kE4m3Q) {
-                qk_staged<T, 0, 4, true>(st.q, k0, smem_u32(&st.bar_staged[0]), phase0, s, idx);
-            } else {
-                qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
-            }
+        if constexpr (!kLast0 && !kLast1 && !T::kE4m3Q) {
+            // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
+            qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (page + 3 < end_page) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
-                release_v_left(1);
-                if constexpr (!T::kE4m3Q) {
-                    if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
-                }
+                if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
-            if constexpr (T::kE4m3Q) {
-                qk_staged<T, 4, 1, false>(st.q, k0, smem_u32(&st.bar_staged[0]), phase0, s, idx);
-            } else {
-                qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
-            }
+            qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             phase0 ^= 1;
         }
         warpgroup_wait<0>();
+        if constexpr (T::kE4m3Q && !kLast0 && !kLast1) {
+            if (page + 3 < end_page) release_v_left(1);           // P1 V1_L done
+        }
     }
 
     // Warpgroup 1 on the page pair (page, page + 1); kLast2: page + 2 is the last page.

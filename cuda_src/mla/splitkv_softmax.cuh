@@ -34,14 +34,18 @@ constexpr float kRowMaxInit = -1e30f;
 constexpr float kStaleMaxLog2 = 8.0f;
 // P rounded to e4m3 (an e4m3 q): the max moves at 2^4, and P times 2^4 (kE4m3PScale) goes into
 // e4m3 (<= 2^8 of its 448): a weight turns subnormal (3 bits fewer) only below 2^-10 of the
-// running max, and is lost below 2^-14.
+// running max, and is lost below 2^-14. The max moves to whole numbers, so that the rescale
+// factors are powers of two, exact on e4m3 values (rescale_e4m3_p).
 constexpr float kStaleMaxLog2E4m3P = 4.0f;
 constexpr float kE4m3PScale = 16.0f;
 
-// The new running max of a row: unchanged unless the page's max passes it by kStale.
-// NaN scores leave it unchanged (as fmaxf would) and propagate through P.
-__device__ __forceinline__ float lazy_row_max(float m_old, float page_max, float stale = kStaleMaxLog2) {
-    return page_max > m_old + stale ? page_max : m_old;
+// The new running max of a row: unchanged unless the page's max passes it by kStaleMaxLog2
+// (e4m3 P: kStaleMaxLog2E4m3P, and rounded up to a whole number). NaN scores leave it unchanged
+// (as fmaxf would) and propagate through P.
+template <bool kE4m3>
+__device__ __forceinline__ float lazy_row_max(float m_old, float page_max) {
+    if constexpr (kE4m3) return page_max > m_old + kStaleMaxLog2E4m3P ? ceilf(page_max) : m_old;
+    return page_max > m_old + kStaleMaxLog2 ? page_max : m_old;
 }
 
 // Whether any of the warp's rows has a rescale factor other than 1 (warp-uniform).
@@ -123,6 +127,19 @@ __device__ __forceinline__ void p_to_e4m3(FragS const& s, FragP& p, const float 
     }
 }
 
+// An e4m3 P (p_to_e4m3) times its rows' factors, powers of two (lazy_row_max): exact but where a
+// weight turns subnormal, as if computed from fp32. Through fp16, which holds every e4m3 value.
+template <typename FragP>
+__device__ __forceinline__ void rescale_e4m3_p(FragP& p, const float (&factor)[2]) {
+    auto words = recast<uint32_t>(p);
+    CUTE_UNROLL
+    for (int r = 0; r < 8; ++r) {
+        const uint32_t f = fp16x2_splat(factor[r % 2]);
+        words(r) = fp16x2_to_e4m3x2(fp16x2_mul(e4m3x2_to_fp16x2(words(r) & 0xffffu), f)) |
+                   fp16x2_to_e4m3x2(fp16x2_mul(e4m3x2_to_fp16x2(words(r) >> 16), f)) << 16;
+    }
+}
+
 // S <- 2^(S*scale - m) in place (fp32 kept for warpgroup 0's later rescale), a copy in the
 // input precision as the next WGMMA's A operand (e4m3: p_to_e4m3 once both row halves are
 // done); returns the row's partial sum.
@@ -167,7 +184,7 @@ __device__ __forceinline__ void wg0_softmax(FragS& s, FragP& p, FragO& o, RowSta
         const float page_max = masked_row_max<kMask, false>(s, half, first_token, rows.right_border[half],
                                                             ~0ull, scale_log2, idx_in_wg);
         const float m_old = row_max[row];
-        const float m_new = lazy_row_max(m_old, page_max, kE4m3P<FragP> ? kStaleMaxLog2E4m3P : kStaleMaxLog2);
+        const float m_new = lazy_row_max<kE4m3P<FragP>>(m_old, page_max);
         rescale[half] = exp2_approx(m_old - m_new);
         __syncwarp();   // the quad has read row_max before it changes
         if (idx_in_wg % 4 == 0) {
@@ -198,7 +215,7 @@ __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowSta
             const float page_max = masked_row_max<kMask, false>(s, half, first_token, rows.right_border[half],
                                                                 ~0ull, scale_log2, idx_in_wg);
             const float m_old = row_max[row];
-            const float m_new = lazy_row_max(m_old, page_max, kE4m3P<FragP> ? kStaleMaxLog2E4m3P : kStaleMaxLog2);
+            const float m_new = lazy_row_max<kE4m3P<FragP>>(m_old, page_max);
             rescale = exp2_approx(m_old - m_new);
             __syncwarp();
             if (idx_in_wg % 4 == 0) row_max[row] = m_new;
@@ -215,15 +232,15 @@ __device__ __forceinline__ void wg1_softmax(FragS& s, FragP& p, FragO& o, RowSta
     scale_rows(o, o_rescale);
 }
 
-// Warpgroup 0, once scale1 is known: P0 * scale1 in the input precision (for warpgroup 1; e4m3
-// for an e4m3 q).
+// Warpgroup 0, once scale1 is known: P0 * scale1 in the input precision (for warpgroup 1; an e4m3
+// P from itself, so that S's registers are free for the next QK^T).
 // `factor`: the thread's two rows' scale1. Factors of 1 leave P as wg0_softmax converted it.
 template <typename FragS, typename FragP>
 __device__ __forceinline__ void wg0_rescale_p(FragS const& s, FragP& p, const float (&factor)[2]) {
     using Element = typename FragP::value_type;
     if (!warp_needs_rescale(factor)) return;
     if constexpr (kE4m3P<FragP>) {
-        p_to_e4m3(s, p, factor);
+        rescale_e4m3_p(p, factor);
     } else {
         CUTE_UNROLL
         for (int i = 0; i < size(s); i += 2) {
