@@ -187,7 +187,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             int8 ``[num_blocks, page_block_size, 1, 576]`` of e4m3 codes, q bf16): its
             torch.float32 one-element scale on the GPU (vLLM's ``k_scale``).
         q_scale: with k_scale, q may hold e4m3 values (torch.float8_e4m3fn, uint8 or int8):
-            its torch.float32 one-element scale on the GPU; out is then torch.bfloat16.
+            its torch.float32 one-element scale on the GPU; out is then torch.bfloat16. Both
+            products then run in FP8, the softmax weights rounded to e4m3 for P V.
 
     Returns:
         ``(out, softmax_lse)``: ``[batch, s_q, h_q, 512]`` in q's dtype (bf16 for an e4m3 q) and torch.float32

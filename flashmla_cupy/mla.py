@@ -152,6 +152,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             (``quant.quantize_fp8_per_tensor`` builds an e4m3 q too).
         q_scale: float32 GPU array of one element, an e4m3 q's dequantization scale (Q = value *
             q_scale), read by the kernel like k_scale; required with an e4m3 q, refused otherwise.
+            With an e4m3 q both products run in FP8: the softmax weights are rounded to e4m3 for
+            P V (each within 2^-4 of itself, the cache values' own precision).
 
     Sparse decoding (DeepSeek-V3.2; ``indices`` given, FlashMLA's semantics):
         is_fp8_kvcache: must be True: k_cache is ``[num_blocks, page_block_size, 1, 656]`` bytes

@@ -404,6 +404,16 @@ def _comparable(x, y):
     return x[compared], y[compared], mismatch
 
 
+# cos_diff limits (out, lse) of the tests and of the profiler's --check: FlashMLA's 1e-5, but with
+# an e4m3 q ("fp8q"), whose P V rounds each softmax weight to e4m3: the squared relative error of
+# a weight averages about 2^-8 / 3 (about 6.5e-4 over many rows), so out's limit is 2^-8, the
+# worst case; for lse, d^2 / (lse^2 + ref^2) of a row whose |lse| is below ~1 exceeds 1e-5 with
+# the FP8 QK^T's absolute score error d, which a one-token request gives at random: lse is held
+# by the tests' element bound alone (None).
+COS_DIFF_LIMITS = {"fp8q": (2.0 ** -8, None)}
+COS_DIFF_LIMITS_DEFAULT = (1e-5, 1e-5)
+
+
 def cos_diff(x, y) -> float:
     """FlashMLA's test criterion: ``1 - 2 sum(x y) / max(sum(x^2 + y^2), 1e-12)`` in float64.
 

@@ -370,7 +370,7 @@ def test_fp8_inputs_on_numpy():
         assert np.isfinite(values[i, :n]).all() and (codes[i, :n] != 0).mean() > 0.9      # random data, not zeros
         # The same values: e4m3 keeps 3 mantissa bits (half a step: 1/16 relative), bf16 8.
         assert np.allclose(values[i, :n], bf16_values[i, :n], rtol=1 / 16 + 1 / 256, atol=float(inp.k_scale) / 512)
-    out, lse = runner._mla_reference(inp)              # --check reads the codes with k_scale
+    out, lse, _ = runner._mla_reference(inp)           # --check reads the codes with k_scale
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     again = inputs.make_mla_inputs(shape, seed=5, xp=np)
     assert (again.k_cache == inp.k_cache).all()
@@ -393,10 +393,11 @@ def test_e4m3_q_inputs_on_numpy():
     # The same values: e4m3 keeps 3 mantissa bits (half a step: 1/16 relative), bf16 8.
     assert np.allclose(q, baselines.to_compute(bf16_inp.q), rtol=1 / 16 + 1 / 256, atol=float(inp.q_scale) / 512)
     assert inp.format_kwargs() == {"is_fp8_kvcache": True, "k_scale": inp.k_scale, "q_scale": inp.q_scale}
-    out, lse = runner._mla_reference(inp)
+    out, lse, limits = runner._mla_reference(inp)
     want_out, want_lse = reference.mla_decode(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                               causal=True, k_scale=inp.k_scale)
     assert np.isfinite(out).all() and (out == want_out).all() and (lse == want_lse).all()
+    assert limits == reference.COS_DIFF_LIMITS["fp8q"] != runner._mla_reference(bf16_inp)[2]   # P in e4m3
     again = inputs.make_mla_inputs(shape, seed=5, xp=np)
     assert (again.q == inp.q).all()
 
@@ -463,7 +464,7 @@ def _stand_in_kernel(inp):
         return targets.setup_cupy_baseline(inp)
 
     def run():
-        out, lse = runner._mla_reference(inp)
+        out, lse, _ = runner._mla_reference(inp)
         return baselines.from_float32(out.astype(np.float32), BF16), lse.astype(np.float32)
     return targets.Prepared(run, run())
 

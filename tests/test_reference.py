@@ -119,6 +119,21 @@ def test_mla_decode_by_hand():
     assert lse[0, 0, :] == pytest.approx([1.0, math.log(math.e + 1)], rel=1e-15)
 
 
+def test_abs_values_weights_the_magnitudes_of_v():
+    """Keys [1, 0] and [-1, 0] (V = first column: 1 and -1), q = [1, 0], scale 1: weights e and
+    1/e over their sum. out = (e - 1/e) / (e + 1/e); with abs_values, (e + 1/e) / (e + 1/e) = 1,
+    and the scores (lse) are K's own, not |K|'s."""
+    k_cache = np.array([[[[1.0, 0.0]], [[-1.0, 0.0]]]])
+    table, seqlens = np.array([[0]], dtype=np.int32), np.array([2], dtype=np.int32)
+    q = np.array([[[[1.0, 0.0]]]])
+    out, lse = reference.mla_decode(q, k_cache, table, seqlens, 1, softmax_scale=1.0)
+    abs_out, abs_lse = reference.mla_decode(q, k_cache, table, seqlens, 1, softmax_scale=1.0, abs_values=True)
+    e = math.e
+    assert out[0, 0, 0, 0] == pytest.approx((e - 1 / e) / (e + 1 / e), rel=1e-15)
+    assert abs_out[0, 0, 0, 0] == pytest.approx(1.0, rel=1e-15)
+    assert abs_lse[0, 0, 0] == lse[0, 0, 0] == pytest.approx(math.log(e + 1 / e), rel=1e-15)
+
+
 def test_mla_decode_never_reads_past_seqlen(rng):
     """NaN in unread cache slots and garbage block-table columns change nothing, bit for bit."""
     q, k_cache, table, seqlens, _ = paged_case(rng, [3, 64, 100, 0, 130], 2, 4, 1, d=576, dtype="bf16")

@@ -646,10 +646,7 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
                     }
                 }
             }
-            cluster_sync();            // neither CTA of a pair exits while the other may write into it
-            return;
-        }
-        if constexpr (kSparse) {
+        } else if constexpr (kSparse) {
             if (cta.wg == 0) {
                 warpgroup_claim_registers<T::kScoresRegs>();
                 cta.template run_requests<0>(begin_req, row);
@@ -665,6 +662,9 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             }
             cta.template run_requests<-1>(begin_req, row);
         }
+        // Neither CTA of a pair exits while the other may write into it. One call for all the
+        // warpgroups: reached from two, it is two CTA barriers where no cluster is launched, which
+        // compute-sanitizer's synccheck reports as divergent threads.
         cluster_sync();
     } else {
         cta.template run_requests<-1>(begin_req, row);

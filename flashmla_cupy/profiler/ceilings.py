@@ -68,8 +68,8 @@ def fractions(gbps: float, tflops: float, ceilings: Ceilings) -> tuple[float | N
 # Said with the ceilings of a profile over an FP8 cache (sparse, dense fp8). cublasGemmEx refuses
 # FP8 operands; cuBLASLt's cublasLtMatmul takes them, but CuPy binds no cuBLASLt function.
 NO_FP8_MATMUL = ("no FP8 matmul ceiling: FP8 (e4m3) products need cuBLASLt, which CuPy does not bind; the FP8 "
-                 "kernels dequantize the FP8 cache and multiply in 16 bits (with an e4m3 q, QK^T in FP8 and "
-                 "P·V in 16 bits), and are measured against the bf16 ceiling")
+                 "kernels dequantize the FP8 cache and multiply in 16 bits (with an e4m3 q, QK^T and P·V "
+                 "in FP8), and are measured against the bf16 ceiling")
 
 CUDA_R_16F = 2
 CUDA_R_16BF = 14

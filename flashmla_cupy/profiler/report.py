@@ -284,7 +284,7 @@ def check_table(records: list[dict], *, kind: str, targets: list[str], title: st
     from .runner import ATTENTION_MAX_ABS_LIMIT, COS_DIFF_LIMIT
 
     with_lse = kind in OUT_AND_LSE_KINDS
-    limit = (f"pass: cos_diff < {COS_DIFF_LIMIT:g} for out and lse" if with_lse
+    limit = (f"pass: cos_diff < {COS_DIFF_LIMIT:g} for out and lse; an e4m3 q, with P in e4m3: out < 2^-8" if with_lse
              else f"pass: max |error| < {ATTENTION_MAX_ABS_LIMIT:g}")
     t = _table(title or f"error against the float64 reference ({limit})")
     shape_cols = _shape_columns(kind, records)
