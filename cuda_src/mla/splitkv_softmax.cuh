@@ -160,7 +160,6 @@ __device__ __forceinline__ float exponentiate(FragS& s, FragP& p, int half, floa
     return sum;
 }
 
-
 // O's rows times their factors, skipped when the whole warp's factors are 1.
 template <typename FragO>
 __device__ __forceinline__ void scale_rows(FragO& o, const float (&factor)[2]) {
