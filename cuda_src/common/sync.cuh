@@ -33,6 +33,29 @@ __device__ __forceinline__ void store_shared_u32(uint32_t dst, uint32_t v) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(dst), "r"(v) : "memory");
 }
 
+// Four 8 x 8 matrices of 16-bit elements (ldmatrix / stmatrix): lane l gives the address of row
+// l % 8 of matrix l / 8, and holds in r[m] elements 2 (l % 4) and 2 (l % 4) + 1 of row l / 4 of
+// matrix m (_trans: of its column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // The thread index, read here (volatile): the compiler can then neither hoist what is computed
 // from it out of a loop nor keep the value from the kernel's prologue live (or spilled) up to
 // here. The FP8 kernels have no register to spare after their warpgroups' register split: NVRTC

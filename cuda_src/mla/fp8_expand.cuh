@@ -77,9 +77,7 @@ struct Fp8Expander {
     __device__ __forceinline__ void everyone_has_read() const { named_barrier_sync(kExpandBarrier, 128); }
 
     __device__ __forceinline__ void wait_staged(int buf) {
-        const uint32_t bar_staged = smem_u32(&st.bar_staged[buf]);
-        if (idx == 0) mbarrier_arrive_expect_tx(bar_staged, kStagedPageBytes);
-        mbarrier_wait(bar_staged, (phases >> buf) & 1);
+        mbarrier_wait(smem_u32(&st.bar_staged[buf]), (phases >> buf) & 1);
         phases ^= 1u << buf;
     }
 
@@ -117,60 +115,57 @@ struct Fp8Expander {
 
     // An e4m3 q: V^T of the page in buffer `buf` (e4m3, K-major, 64-byte swizzle; fp8_staged.cuh),
     // half 0 (columns 0-255) then half 1, each announced on its barrier (bar_kv[buf][half]). Its
-    // rows' bytes follow the token order of P's registers (p_to_e4m3): byte 16 c + 4 q + i of a
-    // row is token 16 c + 8 (i / 2) + 2 q + i % 2. Warp w takes box 2 half + w / 2 (128 columns)
-    // and chunks c = 2 (w % 2) + {0, 1}: lane l reads bytes 4 l .. 4 l + 3 of the chunk's 16 token
-    // rows (a whole 128-byte row per load instruction), transposes each 4 x 4 block of bytes with
-    // byte permutes and writes the 16-byte chunk c of its four columns' rows. Lane l writes those
-    // rows rotated by (l / 2) % 4, so that each quarter-warp's stores cover all eight 16-byte bank
-    // slots. Rows from `valid` on (no token) read as zeros (their slots may hold NaN).
+    // rows' bytes follow the token order of P's registers (p_to_e4m3): byte 4 q + i of a row's
+    // 16-byte group g is token 16 g + 8 (i / 2) + 2 q + i % 2, which is what a transposing
+    // ldmatrix gives when its 16-bit elements are read as pairs of e4m3 columns: lane l holds
+    // columns 2 (l / 4) and 2 (l / 4) + 1 of tokens 2 (l % 4), 2 (l % 4) + 1 of the matrix of 8
+    // tokens (16 columns) it loaded, so two byte permutes of the matrices of tokens 16 g .. + 7
+    // and 16 g + 8 .. + 15 give word l % 4 of group g of both columns' rows, as stmatrix stores
+    // them. Lanes l / 4 >= 4 swap the two columns between the stored matrices, so that each
+    // matrix's eight rows fall on the eight 16-byte bank slots of the 64-byte swizzle (rows n and
+    // n + 8 share theirs). Warp w takes columns 64 w .. 64 w + 63 of each half, 16 columns by 32
+    // tokens per ldmatrix. Tokens from `valid` on read as zeros (their slots may hold NaN).
     __device__ __forceinline__ void transpose_page(int buf, int nth, int valid) {
         wait_staged(buf);
         if (nth >= 2) wait_free(buf);
-        // The thread index read afresh: otherwise every token's address and bound, computed
-        // from it, is hoisted out of the page loop (64 values: spilled).
+        // The thread index read afresh, as everywhere in the expander's page loop.
         const int tid = thread_index_here() % 128;
         const int lane = tid % 32, warp = tid / 32;
         const uint32_t page = smem_u32(st.kv[buf]);
-        uint32_t order[4], rows[4];             // output k: byte order[k] of the reads, into V^T row rows[k]
-        CUTE_UNROLL
-        for (int k = 0; k < 4; ++k) {
-            order[k] = (k + lane / 2) % 4;
-            rows[k] = 4 * lane + order[k];
-        }
-        // Byte selectors: [x0.o0, x1.o0, x0.o1, x1.o1] and the same for o2, o3.
-        const uint32_t sel01 = order[0] | (4 + order[0]) << 4 | order[1] << 8 | (4 + order[1]) << 12;
-        const uint32_t sel23 = order[2] | (4 + order[2]) << 4 | order[3] << 8 | (4 + order[3]) << 12;
+        const int pair = lane / 4, word = lane % 4;
+        const uint32_t even_first = 0x6420, odd_first = 0x7531;   // [a.b0 a.b2 b.b0 b.b2], [a.b1 a.b3 b.b1 b.b3]
+        const uint32_t sel0 = pair < 4 ? even_first : odd_first, sel1 = pair < 4 ? odd_first : even_first;
+        // ldmatrix: lane l addresses token 8 (l / 8) + l % 8 of 32; stmatrix: row l % 8 of
+        // matrix l / 8, the columns' rows as swapped above, in group (l / 16) of the two.
+        const uint32_t store_column = 2 * (lane % 8) + (((lane / 8) % 2) ^ (lane % 8 >= 4));
+        const uint32_t store_group = lane / 16;
         CUTE_UNROLL
         for (int half = 0; half < 2; ++half) {
-            const int box = 2 * half + warp / 2;
-            const uint32_t staged = page + staged_box_offset(box) + 4 * (lane % 4);
-            const uint32_t vt = page + transposed_v_offset(half) + (box % 2) * (kTransposedVHalfBytes / 2);
+            const uint32_t staged = page + staged_box_offset(2 * half + warp / 2);
+            const uint32_t vt = page + transposed_v_offset(half);
+            // All eight loads before the stores (the asm keeps program order): one at a time,
+            // each waited for before its store, left the expander latency-bound.
+            uint32_t r[8][4];
             CUTE_UNROLL
-            for (int u = 0; u < 2; ++u) {
-                const int c = 2 * (warp % 2) + u;
-                const uint32_t chunk_rows = staged + 16 * c * kFp8StagedRowBytes;
-                const int chunk_valid = valid - 16 * c;
-                uint32_t out[4][4];             // [k][q]: row rows[k], bytes 4 q .. 4 q + 3 of chunk c
-                CUTE_UNROLL
-                for (int q = 0; q < 4; ++q) {
-                    uint32_t x[4];
+            for (int k = 0; k < 8; ++k) {              // columns 16 (k / 2) .. of the warp's 64, tokens 32 (k % 2) ..
+                ldmatrix_x4_trans(r[k], swizzled_chunk(staged, 32 * (k % 2) + lane, 4 * (warp % 2) + k / 2));
+            }
+            CUTE_UNROLL
+            for (int k = 0; k < 8; ++k) {
+                uint32_t out[4] = {byte_perm(r[k][0], r[k][1], sel0), byte_perm(r[k][0], r[k][1], sel1),
+                                   byte_perm(r[k][2], r[k][3], sel0), byte_perm(r[k][2], r[k][3], sel1)};
+                if (valid < kBlockN) {
                     CUTE_UNROLL
-                    for (int i = 0; i < 4; ++i) {
-                        const int token = 8 * (i / 2) + 2 * q + i % 2;      // of the chunk's 16
-                        x[i] = token < chunk_valid ? load_shared_u32(swizzled_chunk(chunk_rows, token, lane / 4)) : 0u;
+                    for (int g = 0; g < 2; ++g) {
+                        const int token = 32 * (k % 2) + 16 * g + 2 * word;
+                        const uint32_t keep = (token < valid ? 0xffu : 0u) | (token + 1 < valid ? 0xff00u : 0u) |
+                                              (token + 8 < valid ? 0xff0000u : 0u) | (token + 9 < valid ? 0xff000000u : 0u);
+                        out[2 * g] &= keep;
+                        out[2 * g + 1] &= keep;
                     }
-                    const uint32_t a01 = byte_perm(x[0], x[1], sel01), a23 = byte_perm(x[2], x[3], sel01);
-                    const uint32_t b01 = byte_perm(x[0], x[1], sel23), b23 = byte_perm(x[2], x[3], sel23);
-                    out[0][q] = byte_perm(a01, a23, 0x5410);
-                    out[1][q] = byte_perm(a01, a23, 0x7632);
-                    out[2][q] = byte_perm(b01, b23, 0x5410);
-                    out[3][q] = byte_perm(b01, b23, 0x7632);
                 }
-                CUTE_UNROLL
-                for (int k = 0; k < 4; ++k) {
-                    store_shared(vt + sw64_offset(rows[k], 16 * c), make_uint4(out[k][0], out[k][1], out[k][2], out[k][3]));
-                }
+                const uint32_t row = 64 * warp + 16 * (k / 2) + store_column;        // of the half
+                stmatrix_x4(vt + sw64_offset(row, 16 * (2 * (k % 2) + store_group)), out[0], out[1], out[2], out[3]);
             }
             fence_smem_for_async_proxy();               // the consumers' WGMMAs read these stores
             __syncwarp();

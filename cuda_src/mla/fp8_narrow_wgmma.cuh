@@ -44,11 +44,6 @@ __device__ __forceinline__ uint64_t sw128_k_major_desc(uint32_t addr) {
     return desc.desc_;
 }
 
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
-                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
-
 struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
     using Base = NarrowConsumerBase<kNarrowGroups>;
     static constexpr int kGroups = kNarrowGroups;

@@ -168,7 +168,9 @@ struct SplitKVCta {
     // (cache block `block`) into kv[buf]. Whoever consumes a tile announces the whole tile's
     // bytes on its barrier (qk_tiles).
     // Dense FP8 cache: kFirst 0 stages all the piece's e4m3 bytes (fp8_expand.cuh: their boxes
-    // lie where tiles 0-3 and 8 are, free by then); tiles 4-8 need nothing more.
+    // lie where tiles 0-3 and 8 are, free by then); tiles 4-8 need nothing more. The first
+    // piece's thread announces the page's bytes, so the page is in when they are, however far
+    // behind the expander is (it held an e4m3 q's QK^T back by a transposed page).
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_page_tiles(int buf, int page, int block) const {
         const int first_row = piece() << p.piece_shift;                   // of the page buffer
@@ -177,6 +179,7 @@ struct SplitKVCta {
             if constexpr (kFirst == 0) {
                 const uint32_t bar = smem_u32(&st.bar_staged[buf]);
                 const uint32_t dst = smem_u32(page_buf(buf)) + first_row * kFp8StagedRowBytes;
+                if (first_row == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
                 CUTE_UNROLL
                 for (int box = 0; box < kStagedBoxes; ++box) {
                     tma_load_4d(&p.tma_kv, bar, dst + staged_box_offset(box), box * kFp8StagedRowBytes, cache_row,
@@ -600,7 +603,7 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
         // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), and with an e4m3 q
         // every warp of warpgroup 0 its V^T half too (release_v_left); one arrival (the
-        // expander's byte count) completes a staged page.
+        // byte count of the thread staging the page's first piece) completes a staged page.
         for (int b = 0; b < 2; ++b) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
             mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
