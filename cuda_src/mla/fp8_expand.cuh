@@ -11,8 +11,9 @@
 // every thread has read those; tiles 1, 0 into boxes 1, 0 likewise. The consumers' QK^T takes
 // the tiles in this order (SplitKVTraits::kQkFromLastTile).
 // An e4m3 q (T::kE4m3Q): QK^T is an FP8 WGMMA on the staged boxes themselves and P V one on V^T,
-// which the expander writes as e4m3 into tiles 4-7's space (transpose_page): the boxes stay as
-// staged, and a page's V^T waits for nothing but its bytes and the release of the V^T before it.
+// which the expander writes as e4m3 into a ring of three V^T buffers (transpose_page): the boxes
+// stay as staged, and a page's V^T waits for nothing but its bytes and the release of the V^T
+// three pages back.
 #pragma once
 #include <cuda/std/cstdint>
 
@@ -41,7 +42,8 @@ struct Fp8Expander {
 
     typename T::SharedStorage& st;
     const int idx;                                  // thread within the warpgroup
-    // bit b / 2 + b: buffer b's next bar_staged / bar_free phase
+    // bit b: page buffer b's next bar_staged phase; bit 2 + b: bar_free[b]'s (page buffer b's
+    // V_R, or an e4m3 q's V^T buffer b)
     uint32_t phases = 0;
 
     __device__ __forceinline__ explicit Fp8Expander(typename T::SharedStorage& storage)
@@ -81,8 +83,8 @@ struct Fp8Expander {
         phases ^= 1u << buf;
     }
 
-    // The consumers are done with what the page before last left in buffer `buf` (its V_R, or
-    // an e4m3 q's V^T).
+    // The consumers are done with what the page before last left in buffer `buf` (its V_R), or
+    // an e4m3 q's with V^T buffer `buf` (three pages back).
     __device__ __forceinline__ void wait_free(int buf) {
         mbarrier_wait(smem_u32(&st.bar_free[buf]), (phases >> (2 + buf)) & 1);
         phases ^= 4u << buf;
@@ -113,8 +115,10 @@ struct Fp8Expander {
         }
     }
 
-    // An e4m3 q: V^T of the page in buffer `buf` (e4m3, K-major, 64-byte swizzle; fp8_staged.cuh),
-    // half 0 (columns 0-255) then half 1, each announced on its barrier (bar_kv[buf][half]). Its
+    // An e4m3 q: V^T of the page staged in buffer `buf`, the `nth` of its request (e4m3, K-major,
+    // 64-byte swizzle; fp8_staged.cuh), into V^T buffer nth % 3 once the consumers are done with
+    // the page three back there; half 0 (columns 0-255) then half 1, each announced on its
+    // barrier (bar_kv[0][2 v + half] for buffer v). Its
     // rows' bytes follow the token order of P's registers (p_to_e4m3): byte 4 q + i of a row's
     // 16-byte group g is token 16 g + 8 (i / 2) + 2 q + i % 2, which is what a transposing
     // ldmatrix gives when its 16-bit elements are read as pairs of e4m3 columns: lane l holds
@@ -126,8 +130,9 @@ struct Fp8Expander {
     // n + 8 share theirs). Warp w takes columns 64 w .. 64 w + 63 of each half, 16 columns by 32
     // tokens per ldmatrix. Tokens from `valid` on read as zeros (their slots may hold NaN).
     __device__ __forceinline__ void transpose_page(int buf, int nth, int valid) {
+        const int vt_buf = nth % kTransposedVBuffers;
         wait_staged(buf);
-        if (nth >= 2) wait_free(buf);
+        if (nth >= kTransposedVBuffers) wait_free(vt_buf);
         // The thread index read afresh, as everywhere in the expander's page loop.
         const int tid = thread_index_here() % 128;
         const int lane = tid % 32, warp = tid / 32;
@@ -142,7 +147,7 @@ struct Fp8Expander {
         CUTE_UNROLL
         for (int half = 0; half < 2; ++half) {
             const uint32_t staged = page + staged_box_offset(2 * half + warp / 2);
-            const uint32_t vt = page + transposed_v_offset(half);
+            const uint32_t vt = smem_u32(transposed_v_buffer<T>(st, vt_buf)) + half * kTransposedVHalfBytes;
             // All eight loads before the stores (the asm keeps program order): one at a time,
             // each waited for before its store, left the expander latency-bound.
             uint32_t r[8][4];
@@ -169,7 +174,7 @@ struct Fp8Expander {
             }
             fence_smem_for_async_proxy();               // the consumers' WGMMAs read these stores
             __syncwarp();
-            if (lane == 0) mbarrier_arrive(smem_u32(&st.bar_kv[buf][half]));
+            if (lane == 0) mbarrier_arrive(smem_u32(&st.bar_kv[0][2 * vt_buf + half]));
         }
     }
 };

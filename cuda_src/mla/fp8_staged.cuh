@@ -11,7 +11,9 @@
 // same way, box b at 8 KB b of Q's buffer.
 //
 // With an e4m3 q the boxes are never overwritten: the expander writes V^T (e4m3, 512 rows of the
-// page's 64 tokens, 64-byte swizzle) into tiles 4-7's space, between them.
+// page's 64 tokens, 64-byte swizzle) into a ring of three V^T buffers: tiles 4-7's space of each
+// page buffer, between the boxes, and Q's buffer past the staged Q (an e4m3 Q takes 5 of its 9
+// tiles; warpgroup 1's P, which 16-bit kernels keep in Q's tile 8, goes to p0's second half).
 #pragma once
 #include <cuda/std/cstdint>
 
@@ -30,12 +32,16 @@ __device__ __forceinline__ constexpr uint32_t staged_box_offset(int box) {
     return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp16TileBytes;
 }
 
-// An e4m3 q: where V^T's half `half` (columns 256 half .. 256 half + 255) lies in a page buffer.
+// An e4m3 q: a V^T buffer, half `half` (columns 256 half .. 256 half + 255) at half * its bytes;
+// buffer v < 2 in page buffer v, buffer 2 in Q's buffer.
+constexpr int kTransposedVBuffers = 3;
 constexpr uint32_t kTransposedVHalfBytes = kHeadDimV / 2 * kBlockN;
-__device__ __forceinline__ constexpr uint32_t transposed_v_offset(int half) {
-    return (kStagedBoxes - 1) * kStagedBoxBytes + half * kTransposedVHalfBytes;
-}
-static_assert(transposed_v_offset(2) == staged_box_offset(kStagedBoxes - 1), "V^T fills tiles 4-7's space");
+constexpr uint32_t kTransposedVInPage = (kStagedBoxes - 1) * kStagedBoxBytes;
+constexpr uint32_t kTransposedVInQ = kStagedPageBytes;
+static_assert(kTransposedVInPage + 2 * kTransposedVHalfBytes == staged_box_offset(kStagedBoxes - 1),
+              "V^T fills tiles 4-7's space");
+static_assert(kTransposedVInQ + 2 * kTransposedVHalfBytes == kTilesK * kFp16TileBytes, "V^T fills Q's tiles 5-8");
+constexpr uint32_t kE4m3PBytes = kBlockM * kBlockN;                    // an e4m3 P
 
 // Byte `byte` (< 64) of row `row` of a K-major e4m3 operand with 64-byte rows and the 64-byte
 // swizzle (GMMA::Layout_K_SW64_Atom): a row's 16-byte chunks permuted by bits 1-2 of the row.

@@ -26,11 +26,11 @@ __device__ __forceinline__ auto smem_tile(E* base) {                        // (
 }
 
 // Columns [256*kHalf, 256*kHalf + 256) of V = the page buffer read as V^T: (256, 64 tokens).
-// An e4m3 q: the expander's e4m3 V^T of that half (fp8_staged.cuh).
+// An e4m3 q: `page` is the expander's e4m3 V^T buffer of the page (fp8_staged.cuh).
 template <typename T, int kHalf>
 __device__ __forceinline__ auto smem_v_half(typename T::Element* page) {
     if constexpr (T::kE4m3Q) {
-        auto vt = reinterpret_cast<cutlass::float_e4m3_t*>(page) + transposed_v_offset(kHalf);
+        auto vt = reinterpret_cast<cutlass::float_e4m3_t*>(page) + kHalf * kTransposedVHalfBytes;
         return make_tensor(make_smem_ptr(vt), typename T::SmemLayoutVtHalf{});
     } else {
         auto v = make_tensor(make_smem_ptr(page), typename T::SmemLayoutV{});

@@ -126,7 +126,12 @@ struct SplitKVCta {
         if (token >= seqlen) return p.num_blocks;
         return block_id(table, request, token >> p.page_shift);
     }
-    __device__ __forceinline__ Element* p1_buf() const { return st.q + (kTilesK - 1) * kTileElems; }
+    // Warpgroup 1's P: Q's tile 8 (16-bit P; that tile of Q is kept in registers), or an e4m3 P
+    // after warpgroup 0's in p0 (an e4m3 Q's buffer holds a V^T buffer there).
+    __device__ __forceinline__ Element* p1_buf() const {
+        if constexpr (T::kE4m3Q) return reinterpret_cast<Element*>(reinterpret_cast<uint8_t*>(st.p0) + kE4m3PBytes);
+        return st.q + (kTilesK - 1) * kTileElems;
+    }
 
     // FP8 caches: Q, loaded as bf16, becomes fp16 in place (one pass per request); the sparse
     // cache's RoPE tile stays bf16. (An e4m3 q stays as staged.)
@@ -220,36 +225,44 @@ struct SplitKVCta {
         }
     }
 
-    // An e4m3 q: P V waits for the expander's V^T half `kHalf` of the page in kv[buf] (its
-    // barrier: bar_kv[buf][kHalf]); bit b of `v_phases` is buffer b's phase (each warpgroup reads
+    // An e4m3 q: the V^T buffers of the page pair (page, page + 1), `vt` and the next in the ring
+    // (fp8_staged.cuh); elsewhere V is read from the page buffers themselves.
+    __device__ __forceinline__ int next_transposed_v(int vt) const { return vt == kTransposedVBuffers - 1 ? 0 : vt + 1; }
+    __device__ __forceinline__ Element* v_source(int buf, int vt) const {
+        return T::kE4m3Q ? transposed_v_buffer<T>(st, vt) : page_buf(buf);
+    }
+
+    // An e4m3 q: P V waits for the expander's half `kHalf` of V^T buffer `vt` (its barrier:
+    // bar_kv[0][2 vt + kHalf]); bit v of `v_phases` is buffer v's phase (each warpgroup reads
     // half of every page's V).
     template <int kHalf>
-    __device__ __forceinline__ void wait_expanded(int buf, uint32_t& v_phases) const {
+    __device__ __forceinline__ void wait_expanded(int vt, uint32_t& v_phases) const {
         if constexpr (T::kE4m3Q) {
-            mbarrier_wait((buf ? bar_kv1 : bar_kv0) + kHalf * sizeof(uint64_t), (v_phases >> buf) & 1);
-            v_phases ^= 1u << buf;
+            mbarrier_wait(bar_kv0 + (2 * vt + kHalf) * sizeof(uint64_t), (v_phases >> vt) & 1);
+            v_phases ^= 1u << vt;
         }
     }
 
     // An e4m3 q: the page after next, `page`, staged into kv[buf] as soon as the page there is
     // done with its staged bytes: its QK^T (this warpgroup's, complete) and the expander's reads
-    // (both halves of its V^T written; called after this warpgroup's wait_expanded of that page,
-    // hence the phase before it). Issued with this warpgroup's first P V of the page, while the
-    // other warpgroup works, where the 16-bit cache refills only after its second.
-    __device__ __forceinline__ void stage_page_after_next(int buf, int page, int block, uint32_t v_phases) const {
+    // (both halves of its V^T, buffer `vt`, written; called after this warpgroup's wait_expanded
+    // of that page, hence the phase before it). Issued with this warpgroup's first P V of the
+    // page, while the other warpgroup works, where the 16-bit cache refills only after its second.
+    __device__ __forceinline__ void stage_page_after_next(int buf, int page, int block, int vt, uint32_t v_phases) const {
         if (!loads_piece()) return;
-        const uint32_t bar = buf ? bar_kv1 : bar_kv0;
-        const uint32_t phase = ((v_phases >> buf) & 1) ^ 1;
+        const uint32_t bar = bar_kv0 + 2 * vt * sizeof(uint64_t);
+        const uint32_t phase = ((v_phases >> vt) & 1) ^ 1;
         mbarrier_wait(bar, phase);
         mbarrier_wait(bar + sizeof(uint64_t), phase);
         load_page_tiles<0, 4>(buf, page, block);
     }
 
-    // An e4m3 q: warpgroup 0's P V of the page in kv[buf] is done with its V^T (warpgroup 1's
-    // half: refill_v_right). One arrival per warp on bar_free.
-    __device__ __forceinline__ void release_v_left(int buf) const {
-        if constexpr (T::kE4m3Q) {
-            if (idx % 32 == 0) mbarrier_arrive(smem_u32(&st.bar_free[buf]));
+    // An e4m3 q: this warpgroup's P V is done with its half of V^T buffer `vt`, whose page is
+    // followed by three more of the request (the expander reuses the buffer three pages on). One
+    // arrival per warp on bar_free[vt], eight in all.
+    __device__ __forceinline__ void release_transposed_v(int vt, int page) const {
+        if (T::kE4m3Q && page + kTransposedVBuffers < end_page && idx % 32 == 0) {
+            mbarrier_arrive(smem_u32(&st.bar_free[vt]));
         }
     }
 
@@ -274,11 +287,15 @@ struct SplitKVCta {
 
     // Warpgroup 0 on the page pair (page, page + 1). kLast0: `page` is the last page;
     // kLast1: page + 1 is. On entry s holds S0 = Q K0^T; on exit, that of page + 2.
+    // `vt`: an e4m3 q's V^T buffer of `page`; advanced to that of page + 2.
     template <bool kLast0, bool kLast1, typename FragS, typename FragO, typename FragQ8>
     __device__ __forceinline__ void wg0_step(int page, FragS& s, FragO& o, FragQ8 const& q8, RowState& rows,
-                             uint32_t& phase0, uint32_t& v_phases) const {
+                             uint32_t& phase0, uint32_t& v_phases, int& vt) const {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
+        const int vt1 = next_transposed_v(vt);
+        Element* v0 = v_source(0, vt);
+        Element* v1 = v_source(1, vt1);
         const int first_token = page * kBlockN;
         Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
@@ -293,12 +310,12 @@ struct SplitKVCta {
 
         wg0_softmax<kLast0 || kLast1>(s, pb, o, rows, st.row_max, st.scale0, seesaw_scale_log2(), first_token, idx);
         named_barrier_arrive(int(WgBarrier::kScale0Ready), 256);
-        wait_expanded<0>(0, v_phases);
+        wait_expanded<0>(vt, v_phases);
         if constexpr (kLast0) zero_invalid_v_rows<0>(k0, seqlen - first_token);
-        pv_reg_p<T, 0>(pb, k0, o, idx);                         // O_L += P0 V0_L
-        if constexpr (T::kE4m3Q && !kLast0 && !kLast1) stage_page_after_next(0, page + 2, next_id0, v_phases);
+        pv_reg_p<T, 0>(pb, v0, o, idx);                         // O_L += P0 V0_L
+        if constexpr (T::kE4m3Q && !kLast0 && !kLast1) stage_page_after_next(0, page + 2, next_id0, vt, v_phases);
         warpgroup_wait<0>();
-        if constexpr (!kLast0 && !kLast1) release_v_left(0);
+        if constexpr (!kLast0 && !kLast1) release_transposed_v(vt, page);
 
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
         if constexpr (!kLast0 && !kLast1 && !T::kE4m3Q) {
@@ -318,11 +335,11 @@ struct SplitKVCta {
         }
 
         if constexpr (!kLast0) {
-            wait_expanded<0>(1, v_phases);
+            wait_expanded<0>(vt1, v_phases);
             if constexpr (kLast1) zero_invalid_v_rows<0>(k1, seqlen - first_token - kBlockN);
             named_barrier_sync(int(WgBarrier::kP1Issued), 256);
             wg0_rescale_o(o, rows, scale1);
-            pv_smem_p<T, 0>(p1_buf(), k1, o, idx);              // O_L += P1 V1_L
+            pv_smem_p<T, 0>(p1_buf(), v1, o, idx);              // O_L += P1 V1_L
         }
         if constexpr (!kLast0 && !kLast1 && !T::kE4m3Q) {
             // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
@@ -335,18 +352,20 @@ struct SplitKVCta {
             phase0 ^= 1;
         }
         warpgroup_wait<0>();
-        if constexpr (T::kE4m3Q && !kLast0 && !kLast1) {
-            if (page + 3 < end_page) release_v_left(1);           // P1 V1_L done
-        }
+        if constexpr (!kLast0 && !kLast1) release_transposed_v(vt1, page + 1);   // P1 V1_L done
+        vt = next_transposed_v(vt1);
     }
 
     // Warpgroup 1 on the page pair (page, page + 1); kLast2: page + 2 is the last page.
     // On entry s holds S1 = Q K1^T (unless kLast0); on exit, that of page + 3.
     template <bool kLast0, bool kLast1, bool kLast2, typename FragS, typename FragO, typename FragQ8>
     __device__ __forceinline__ void wg1_step(int page, FragS& s, FragO& o, FragQ8 const& q8, RowState& rows,
-                             uint32_t& phase1, uint32_t& v_phases) const {
+                             uint32_t& phase1, uint32_t& v_phases, int& vt) const {
         Element* k0 = page_buf(0);
         Element* k1 = page_buf(1);
+        const int vt1 = next_transposed_v(vt);
+        Element* v0 = v_source(0, vt);
+        Element* v1 = v_source(1, vt1);
         const int first_token = (page + 1) * kBlockN;
         Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
@@ -364,25 +383,33 @@ struct SplitKVCta {
 
         if constexpr (!kLast0) {
             store_p<T>(pb, p1_buf(), idx);
-            wait_expanded<1>(1, v_phases);
+            wait_expanded<1>(vt1, v_phases);
             if constexpr (kLast1) zero_invalid_v_rows<1>(k1, seqlen - first_token);
-            pv_reg_p<T, 1>(pb, k1, o, idx);                      // O_R += P1 V1_R
+            pv_reg_p<T, 1>(pb, v1, o, idx);                      // O_R += P1 V1_R
             fence_smem_for_async_proxy();                         // P1 visible to warpgroup 0's WGMMA
-            if constexpr (T::kE4m3Q && !kLast1 && !kLast2) stage_page_after_next(1, page + 3, next_id1, v_phases);
+            if constexpr (T::kE4m3Q && !kLast1 && !kLast2) stage_page_after_next(1, page + 3, next_id1, vt1, v_phases);
         }
         named_barrier_sync(int(WgBarrier::kP0Ready), 256);
-        wait_expanded<1>(0, v_phases);
+        wait_expanded<1>(vt, v_phases);
         if constexpr (kLast0) zero_invalid_v_rows<1>(k0, seqlen - first_token + kBlockN);
-        pv_smem_p<T, 1>(st.p0, k0, o, idx);                       // O_R += P0 V0_R
+        pv_smem_p<T, 1>(st.p0, v0, o, idx);                       // O_R += P0 V0_R
         if constexpr (!kLast0) named_barrier_arrive(int(WgBarrier::kP1Issued), 256);
 
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             warpgroup_wait<1>();                                  // P1 V1_R done: V1_R free
-            refill_v_right(1, page + 3, next_id1);
+            if constexpr (T::kE4m3Q) {
+                release_transposed_v(vt1, page + 1);
+            } else {
+                refill_v_right(1, page + 3, next_id1);
+            }
         }
         if constexpr (!kLast0 && !kLast1) {
             warpgroup_wait<0>();                                  // P0 V0_R done: V0_R free
-            refill_v_right(0, page + 2, next_id0);
+            if constexpr (T::kE4m3Q) {
+                release_transposed_v(vt, page);
+            } else {
+                refill_v_right(0, page + 2, next_id0);
+            }
         }
         if constexpr (!kLast0 && !kLast1 && !kLast2) {
             qk_page(1, phase1, q8, s);
@@ -390,6 +417,7 @@ struct SplitKVCta {
         }
         // Kept outside the branches above: a wait inside them makes ptxas serialize the WGMMAs.
         warpgroup_wait<0>();
+        vt = next_transposed_v(vt1);
     }
 
     // S = Q K^T of the whole page in kv[buf] (warpgroup 1's order), issued as its tiles arrive
@@ -422,6 +450,7 @@ struct SplitKVCta {
         const auto q8 = rope_tile_of_q();
         Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
         int page = first_page;
+        int vt = 0;                             // an e4m3 q: the V^T buffer of `page` (the expander's ring)
         if ((T::kProducer ? thread_index_here() / 128 : wg) == 0) {   // FP8: read afresh, as the epilogue's
             if constexpr (T::kE4m3Q) {
                 qk_page(0, phase0, q8, s);
@@ -432,11 +461,11 @@ struct SplitKVCta {
             named_barrier_sync(int(WgBarrier::kRowMaxInit), 128);
             warpgroup_wait<0>();
             #pragma unroll 1
-            for (; page < end_page - 2; page += 2) wg0_step<false, false>(page, s, o, q8, rows, phase0, v_phases);
+            for (; page < end_page - 2; page += 2) wg0_step<false, false>(page, s, o, q8, rows, phase0, v_phases, vt);
             if (page + 1 < end_page) {
-                wg0_step<false, true>(page, s, o, q8, rows, phase0, v_phases);
+                wg0_step<false, true>(page, s, o, q8, rows, phase0, v_phases, vt);
             } else if (page < end_page) {
-                wg0_step<true, false>(page, s, o, q8, rows, phase0, v_phases);
+                wg0_step<true, false>(page, s, o, q8, rows, phase0, v_phases, vt);
             }
         } else {
             if (page + 1 < end_page) {
@@ -445,14 +474,14 @@ struct SplitKVCta {
                 warpgroup_wait<0>();
             }
             #pragma unroll 1
-            for (; page < end_page - 3; page += 2) wg1_step<false, false, false>(page, s, o, q8, rows, phase1, v_phases);
+            for (; page < end_page - 3; page += 2) wg1_step<false, false, false>(page, s, o, q8, rows, phase1, v_phases, vt);
             if (page + 2 < end_page) {
-                wg1_step<false, false, true>(page, s, o, q8, rows, phase1, v_phases);
-                wg1_step<true, false, false>(page + 2, s, o, q8, rows, phase1, v_phases);
+                wg1_step<false, false, true>(page, s, o, q8, rows, phase1, v_phases, vt);
+                wg1_step<true, false, false>(page + 2, s, o, q8, rows, phase1, v_phases, vt);
             } else if (page + 1 < end_page) {
-                wg1_step<false, true, false>(page, s, o, q8, rows, phase1, v_phases);
+                wg1_step<false, true, false>(page, s, o, q8, rows, phase1, v_phases, vt);
             } else if (page < end_page) {
-                wg1_step<true, false, false>(page, s, o, q8, rows, phase1, v_phases);
+                wg1_step<true, false, false>(page, s, o, q8, rows, phase1, v_phases, vt);
             }
         }
     }
@@ -601,13 +630,13 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
         // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
-        // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), and with an e4m3 q
-        // every warp of warpgroup 0 its V^T half too (release_v_left); one arrival (the
+        // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), or with an e4m3 q
+        // every warp of both warpgroups its half of a V^T buffer (release_transposed_v); one arrival (the
         // byte count of the thread staging the page's first piece) completes a staged page.
-        for (int b = 0; b < 2; ++b) {
+        for (int b = 0; b < kTransposedVBuffers; ++b) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
-            mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
         }
+        for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
         mbarrier_init_fence();
     }
     // Sparse pairs write into each other's buffers and barriers: both must be initialized.

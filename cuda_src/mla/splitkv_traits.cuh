@@ -5,6 +5,7 @@
 
 #include "common/sync.cuh"
 #include "mla/config.cuh"
+#include "mla/fp8_staged.cuh"
 
 namespace flashmla {
 
@@ -129,6 +130,7 @@ struct SplitKVTraits {
         alignas(1024) Element q[cosize_v<SmemLayoutRows>];       // tile 8 doubles as P1 (dense)
         alignas(1024) Element kv[2][cosize_v<SmemLayoutRows>];   // page 2i in kv[0], 2i+1 in kv[1]
         alignas(1024) Element p0[cosize_v<SmemLayoutTile>];      // warpgroup 0's P, for warpgroup 1
+                                                                  // (an e4m3 q: and warpgroup 1's after it)
         float row_max[kBlockM];          // running max (log2 domain), shared by both warpgroups
         float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step (page)
         float scale1[kBlockM];           // ... by warpgroup 1
@@ -136,18 +138,27 @@ struct SplitKVTraits {
         int bad_request[2];              // a bad block id was seen (NaN output); slots: run_requests
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full;
-                                         // an e4m3 q: 0 and 1, each half of V^T)
-        uint64_t bar_free[2];            // FP8 caches: a page buffer may be refilled (dense: its V_R;
-                                         // an e4m3 q: its V^T)
+                                         // an e4m3 q: bar_kv[0][2 v + half], half of V^T buffer v)
+        uint64_t bar_free[3];            // FP8 caches: a page buffer may be refilled (dense: its V_R;
+                                         // an e4m3 q: V^T buffer b)
         uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
+    static_assert(2 * kE4m3PBytes <= sizeof(SharedStorage::p0), "an e4m3 q: both P in p0");
 #ifndef FLASHMLA_SPLITKV_SMEM_BYTES
 #error "compile through flashmla_cupy (it defines the host-side shared-memory size)"
 #endif
     static_assert(sizeof(SharedStorage) == FLASHMLA_SPLITKV_SMEM_BYTES, "host and device shared-memory sizes differ");
 };
+
+// An e4m3 q: V^T buffer `v` (fp8_staged.cuh), as the 16-bit pointer the P V functions take.
+template <typename T>
+__device__ __forceinline__ typename T::Element* transposed_v_buffer(typename T::SharedStorage& st, int v) {
+    auto* base = v < 2 ? reinterpret_cast<uint8_t*>(st.kv[v]) + kTransposedVInPage
+                       : reinterpret_cast<uint8_t*>(st.q) + kTransposedVInQ;
+    return reinterpret_cast<typename T::Element*>(base);
+}
 
 // Named barriers between the two warpgroups (0 is __syncthreads).
 enum class WgBarrier : int {
