@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import flashmla_cupy
+from flashmla_cupy import quant
 from flashmla_cupy.testing import check_against_reference, make_inputs, poisoned, run_kernel, seed_seqlens
 
 pytestmark = pytest.mark.hopper
@@ -103,6 +104,24 @@ def test_long_and_skewed_batch(h_q, s_q):
     inp = make_inputs(rng, seqlens, s_q, h_q, 1, "fp8")
     out, lse = run_kernel(inp, causal=True)
     check_against_reference(inp, out, lse, True, "fp8")
+
+
+@pytest.mark.parametrize("dtype,h_q,s_q", [("fp8q", 16, 1), ("fp8q", 128, 2), ("fp8", 64, 2)])
+def test_running_max_jumps_between_pages(dtype, h_q, s_q):
+    """test_mla's case on the FP8 cache: the RoPE codes of each cache block rescaled by 0.05 to 12
+    (clipped to e4m3's range; NaN codes stay NaN), in permuted block order, so that each row's
+    running max jumps at random pages of both warpgroups. With an e4m3 q the max moves in whole
+    numbers and warpgroup 0 rescales its e4m3 P0 (splitkv_softmax.cuh)."""
+    rng = np.random.default_rng()
+    inp = make_inputs(rng, seed_seqlens(rng, 12, 1500, s_q, True), s_q, h_q, 1, dtype)
+    factors = cupy.asarray(rng.choice([0.05, 0.5, 1.0, 4.0, 12.0], size=inp.k_cache.shape[0]), dtype=cupy.float32)
+    codes = inp.k_cache[..., 512:]
+    rope = quant.dequantize_fp8_per_tensor(codes, 1.0) * factors[:, None, None, None]
+    readable = cupy.isfinite(rope)
+    rescaled = quant.quantize_fp8_per_tensor(cupy.where(readable, rope, 0), scale=1.0)[0]
+    inp.k_cache[..., 512:] = cupy.where(readable, rescaled, codes)
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, dtype)
 
 
 # --- the scales are read by the kernel: new values in place, eager and in a CUDA graph ------------
