@@ -22,7 +22,8 @@
 // each page's e4m3 bytes inside its own page buffer where the seesaw has freed it, and the third
 // warpgroup expands them in place (fp8_expand.cuh); the scale multiplies the scores and O. With an
 // e4m3 q (T::kE4m3Q), Q is staged the same way and QK^T is an FP8 WGMMA on the staged bytes; the
-// third warpgroup writes V^T in e4m3 beside them, and P V is an FP8 WGMMA with P rounded to e4m3.
+// third warpgroup writes V^T in e4m3 into a ring of three buffers, and P V is an FP8 WGMMA with P
+// rounded to e4m3.
 // Sparse decoding (KVCache::kFp8Sparse, DeepSeek-V3.2's cache): a request is one query token, a
 // page 64 of its indices; the third warpgroup gathers and dequantizes the tokens
 // (fp8_producer.cuh) for consumers of another schedule (fp8_consumers.cuh), and with two

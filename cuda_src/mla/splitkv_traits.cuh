@@ -30,7 +30,7 @@ enum class KVCache : int {
 // every value.
 // kE4m3Q_ (dense FP8 cache only): q holds e4m3 values; QK^T is an FP8 WGMMA on Q's and each
 // page's staged bytes (fp8_staged.cuh), and P V one on V^T, which the third warpgroup writes in
-// e4m3 beside the staged bytes, with P rounded to e4m3.
+// e4m3 into a ring of three V^T buffers, with P rounded to e4m3.
 template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false>
 struct SplitKVTraits {
     using Element = Element_;                  // Q, K, V, P (the NoPE part, for kFp8Sparse)
