@@ -118,8 +118,8 @@ struct Fp8Expander {
     // An e4m3 q: V^T of the page staged in buffer `buf`, the `nth` of its request (e4m3, K-major,
     // 64-byte swizzle; fp8_staged.cuh), into V^T buffer nth % 3 once the consumers are done with
     // the page three back there; half 0 (columns 0-255) then half 1, each announced on its
-    // barrier (bar_kv[0][2 v + half] for buffer v). Its
-    // rows' bytes follow the token order of P's registers (p_to_e4m3): byte 4 q + i of a row's
+    // barrier (bar_kv[0][2 v + half] for buffer v). Its rows' bytes follow the token order of
+    // P's registers (p_to_e4m3): byte 4 q + i of a row's
     // 16-byte group g is token 16 g + 8 (i / 2) + 2 q + i % 2, which is what a transposing
     // ldmatrix gives when its 16-bit elements are read as pairs of e4m3 columns: lane l holds
     // columns 2 (l / 4) and 2 (l / 4) + 1 of tokens 2 (l % 4), 2 (l % 4) + 1 of the matrix of 8
