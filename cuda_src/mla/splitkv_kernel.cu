@@ -632,8 +632,9 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         }
         // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
         // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), or with an e4m3 q
-        // every warp of both warpgroups its half of a V^T buffer (release_transposed_v); one arrival (the
-        // byte count of the thread staging the page's first piece) completes a staged page.
+        // every warp of both warpgroups its half of a V^T buffer (release_transposed_v); one
+        // arrival (the byte count of the thread staging the page's first piece) completes a
+        // staged page.
         for (int b = 0; b < kTransposedVBuffers; ++b) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
         }
