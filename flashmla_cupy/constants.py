@@ -17,15 +17,14 @@ PRODUCER_THREADS = 128      # the FP8 caches' third warpgroup: fills the page bu
 # every row of any piece of a page then starts on the 128-byte boundary TMA needs.
 FP8_STAGED_ROW_BYTES = 128
 # The dense FP8 cache with a bf16 q and at most this many query rows per KV head (h_q * s_q / h_kv)
-# runs the narrow kernel (fp8_narrow_kernel.cu): four warps that dequantize in registers and a
-# loading warp, over a ring of this many staged pages. Its form for at most
-# FP8_NARROW_MMA_SYNC_ROWS rows (one m16 tile) uses mma.sync (four warps and the loading warp), the
-# one for more WGMMA (N = 32; two warpgroups that take the pages in turn, and a loading warpgroup).
+# runs the narrow kernel (fp8_narrow_kernel.cu): two warpgroups that take the pages in turn and
+# dequantize in registers, and a loading warp (of a third), over a ring of this many staged pages.
+# Its form for at most FP8_NARROW_MMA_SYNC_ROWS rows (one m16 tile) uses mma.sync, the one for
+# more WGMMA (N = 32).
 FP8_NARROW_ROWS = 32
 FP8_NARROW_MMA_SYNC_ROWS = 16
 FP8_NARROW_STAGES = 3
-FP8_NARROW_THREADS = 160
-FP8_NARROW_WGMMA_THREADS = 384
+FP8_NARROW_THREADS = 384
 COMBINE_WARPS = 8           # one query row per warp
 FIXED_OVERHEAD_BLOCKS = 5   # scheduler: cost of one request piece beyond its pages, in pages
 SCHED_META_INTS = 8         # ints per SM part in tile_scheduler_metadata
@@ -47,7 +46,6 @@ ERROR_METADATA_KIND = 5     # metadata of another kind of call: other topk, dens
 _SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "BLOCK_N", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
            "PRODUCER_THREADS", "FP8_STAGED_ROW_BYTES", "FP8_NARROW_ROWS", "FP8_NARROW_MMA_SYNC_ROWS",
            "FP8_NARROW_STAGES", "FP8_NARROW_THREADS",
-           "FP8_NARROW_WGMMA_THREADS",
            "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
            "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",
            "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE", "ERROR_METADATA_KIND")

@@ -39,7 +39,7 @@ def _fp8_narrow_smem_bytes() -> int:
     mbarriers per stage + Q's, padded to 1024 bytes."""
     page = 5 * constants.BLOCK_N * constants.FP8_STAGED_ROW_BYTES
     q = (constants.HEAD_DIM_K // constants.TMA_BOX) * constants.BLOCK_M * constants.TMA_BOX * 2
-    groups = constants.FP8_NARROW_WGMMA_THREADS // 128 - 1   # the WGMMA form's, and a loading warpgroup
+    groups = constants.FP8_NARROW_THREADS // 128 - 1   # and a loading warpgroup
     p = groups * 2 * constants.FP8_NARROW_ROWS * constants.BLOCK_N * 2
     rows = (groups * (2 * 4 + 4) + groups + 1) * constants.FP8_NARROW_ROWS * 4 + 4
     size = constants.FP8_NARROW_STAGES * (page + 4) + q + p + rows
@@ -78,9 +78,7 @@ def fp8_narrow_form(q_rows: int) -> tuple[str, int]:
     """The narrow kernel's form for ``q_rows`` query rows per KV head (at most ``FP8_NARROW_ROWS``):
     its name expression and threads per CTA."""
     kernels = fp8_narrow_program().kernels
-    if q_rows <= constants.FP8_NARROW_MMA_SYNC_ROWS:
-        return kernels[0], constants.FP8_NARROW_THREADS
-    return kernels[1], constants.FP8_NARROW_WGMMA_THREADS
+    return kernels[0 if q_rows <= constants.FP8_NARROW_MMA_SYNC_ROWS else 1], constants.FP8_NARROW_THREADS
 
 
 def combine_program(tag: str) -> Program:

@@ -836,7 +836,7 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
         assert splitkv.program == programs.fp8_narrow_program()
         form = 0 if S_Q * h_q <= 16 else 1
         assert splitkv.kernel == programs.fp8_narrow_program().kernels[form]
-        assert splitkv.block[0] == (160, 384)[form] and splitkv.grid == (1, 1, parts)
+        assert splitkv.block[0] == 384 and splitkv.grid == (1, 1, parts)
         assert splitkv.options["smem"] == programs.FP8_NARROW_SMEM_BYTES
     else:
         assert splitkv.program == programs.splitkv_program(programs.FP8_Q_TAG if e4m3_q else programs.FP8_TAG)

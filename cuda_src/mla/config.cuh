@@ -30,7 +30,6 @@ constexpr int kFp8NarrowRows = FLASHMLA_FP8_NARROW_ROWS;            // dense FP8
 constexpr int kFp8NarrowMmaSyncRows = FLASHMLA_FP8_NARROW_MMA_SYNC_ROWS;
 constexpr int kFp8NarrowStages = FLASHMLA_FP8_NARROW_STAGES;
 constexpr int kFp8NarrowThreads = FLASHMLA_FP8_NARROW_THREADS;
-constexpr int kFp8NarrowWgmmaThreads = FLASHMLA_FP8_NARROW_WGMMA_THREADS;
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
 static_assert(kBlockN == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "a page buffer tile is 64 rows x 64 columns");
 

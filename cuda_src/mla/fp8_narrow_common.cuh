@@ -15,13 +15,13 @@
 
 namespace flashmla {
 
-// A consumer group is four warps (one warpgroup); the WGMMA form has two, which take the pages in
-// turn and merge their rows at the end of a request.
+// A consumer group is four warps (one warpgroup); both forms have two, which take the pages in turn
+// and merge their rows at the end of a request (with one, every latency of a page is exposed:
+// docs/perf-notes.md sections 22 and 26).
 constexpr int kNarrowWarps = 4;
-constexpr int kNarrowGroups = kFp8NarrowWgmmaThreads / 128 - 1;        // at most: the WGMMA form's
+constexpr int kNarrowGroups = kFp8NarrowThreads / 128 - 1;
 static_assert(kNarrowWarps * 16 == kBlockN && kNarrowWarps * 128 == kHeadDimV, "a warp's tokens and columns");
-static_assert((kFp8NarrowThreads / 32 - 1) == kNarrowWarps, "the mma.sync form: one group and a loading warp");
-static_assert(kNarrowGroups == 2, "the WGMMA form: two groups and a loading warpgroup");
+static_assert(kNarrowGroups == 2, "two groups and a loading warpgroup");
 
 struct alignas(1024) NarrowStorage {
     alignas(1024) uint8_t stage[kFp8NarrowStages][kStagedPageBytes];   // staged pages, boxes packed
@@ -60,10 +60,11 @@ struct NarrowOutput {
     float v_scale;
 };
 
-// The consumer warps' common part (kGroups groups); the forms add their fragments, softmax and
-// output layout.
-template <int kGroups>
+// The consumer warps' common part; the forms add their fragments, softmax and output layout.
 struct NarrowConsumerBase {
+    static constexpr int kGroups = kNarrowGroups;
+    static constexpr int kThreads = kFp8NarrowThreads;             // and a loading warpgroup
+    static constexpr int kLoaderRegs = 24, kConsumerRegs = 240;    // setmaxnreg: 2 x 240 + 24 = 3 x 168
     static constexpr int kConsumerThreads = 32 * kNarrowWarps * kGroups;
     const SplitKVParams& p;
     NarrowStorage& st;
@@ -72,7 +73,7 @@ struct NarrowConsumerBase {
     int n = 0;                                     // pages of all groups: stage n % kFp8NarrowStages
 
     __device__ __forceinline__ NarrowConsumerBase(const SplitKVParams& params, NarrowStorage& storage)
-        : p(params), st(storage), group(kGroups == 1 ? 0 : threadIdx.x / 128), warp(threadIdx.x / 32 % kNarrowWarps),
+        : p(params), st(storage), group(threadIdx.x / 128), warp(threadIdx.x / 32 % kNarrowWarps),
           lane(threadIdx.x % 32), quad(lane % 4), quad_row(lane / 4), scale_log2(params.scale_log2 * *params.kv_scale) {}
 
     // Page n is this group's; its P buffer and row-max slot alternate over the group's pages.
@@ -95,6 +96,73 @@ struct NarrowConsumerBase {
             tma_load_4d(&p.tma_q, bar, smem_u32(st.q) + t * kFp16TileBytes, t * kTileCols, 0, blockIdx.y, req,
                         L2Hint::kEvictFirst);
         }
+    }
+
+    // The second group's rows into the first's at the request's end: both scale theirs to the
+    // rows' common max, then the second passes its O (fp32, through Q's buffer: both groups are
+    // past Q), sums and bad flag. `o`: this thread's O, whose element e of a tile belongs to row
+    // slot slot(e) (row row(i) for slot i); `writes_rows`: this thread writes its slots' max and
+    // sum for the group (one thread per row). Returns whether this thread stores (the first group).
+    template <int kTiles, int kPerTile, int kSlots, typename Slot, typename Row>
+    __device__ __forceinline__ bool merge_groups(float (&o)[kTiles][kPerTile], float (&row_max)[kSlots],
+                                                 float (&sums)[kSlots], bool& bad, bool writes_rows, Slot slot,
+                                                 Row row) const {
+        static_assert(kTiles * kPerTile * 128 * sizeof(float) <= sizeof(st.q), "the second group's O fits in Q's buffer");
+        static_assert(kPerTile % 4 == 0, "O passed as float4");
+        if (writes_rows) {
+            #pragma unroll
+            for (int i = 0; i < kSlots; ++i) st.merge_max[group][row(i)] = row_max[i];
+        }
+        sync_consumers(NarrowBarrier::kGroupsDone);
+        float factor[kSlots];
+        #pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+            const float m = fmaxf(st.merge_max[0][row(i)], st.merge_max[1][row(i)]);
+            factor[i] = m == -kInf ? 0.0f : exp2_approx(row_max[i] - m);
+            sums[i] *= factor[i];
+            row_max[i] = m;
+        }
+        #pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+            #pragma unroll
+            for (int e = 0; e < kPerTile; ++e) o[t][e] *= factor[slot(e)];
+        }
+        // [kPerTile / 4 tile + c][thread]: o[tile][4c..4c+3] (the address from here: hoisted out of
+        // the request loop, the addresses took registers)
+        constexpr int kChunks = kPerTile / 4;
+        float4* other_o = computed_here(reinterpret_cast<float4*>(st.q)) + threadIdx.x % 128;
+        if (group == 1) {
+            #pragma unroll
+            for (int t = 0; t < kTiles; ++t) {
+                #pragma unroll
+                for (int c = 0; c < kChunks; ++c) {
+                    other_o[(kChunks * t + c) * 128] = make_float4(o[t][4 * c], o[t][4 * c + 1], o[t][4 * c + 2], o[t][4 * c + 3]);
+                }
+            }
+            if (writes_rows) {
+                #pragma unroll
+                for (int i = 0; i < kSlots; ++i) st.merge_sum[row(i)] = sums[i];
+            }
+            if (threadIdx.x % 128 == 0) st.merge_bad = bad;           // alike in the group (its pages' flags)
+        }
+        sync_consumers(NarrowBarrier::kMerged);
+        if (group == 1) return false;
+        bad |= st.merge_bad != 0;
+        #pragma unroll
+        for (int i = 0; i < kSlots; ++i) sums[i] += st.merge_sum[row(i)];
+        #pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+            #pragma unroll
+            for (int c = 0; c < kChunks; ++c) {
+                const float4 v = other_o[(kChunks * t + c) * 128];
+                o[t][4 * c] += v.x;
+                o[t][4 * c + 1] += v.y;
+                o[t][4 * c + 2] += v.z;
+                o[t][4 * c + 3] += v.w;
+            }
+        }
+        sync_group(NarrowBarrier::kMergeRead);                        // Q's buffer is free for the next load
+        return true;
     }
 
     // The request's destination; reports a split index outside the metadata's range.

@@ -11,11 +11,14 @@
 //     rows as N (fp8_narrow_wgmma.cuh).
 //
 // Grid, metadata, splits and combine kernel are the split-KV kernel's: (1, h_kv, num_sm_parts),
-// one CTA per SM, 160 threads.
-//   warp 4 (loading): for each page of 64 tokens, its block ids and the TMA boxes of its bytes
-//     (fp8_staged.cuh's five boxes, packed: 40 KB) into the next stage once it is free;
-//   warps 0-3 (consumers): per page, the form's S, online softmax (the row max agreed through
-//     shared memory) and O += P V; one arrival per warp frees the stage.
+// one CTA per SM, 384 threads.
+//   warp 8 (loading; its warpgroup gives its registers to the consumers): for each page of 64
+//     tokens, its block ids and the TMA boxes of its bytes (fp8_staged.cuh's five boxes, packed:
+//     40 KB) into the next stage once it is free;
+//   warpgroups 0 and 1 (consumers), the pages in turn: per page, the form's S, online softmax
+//     (the row max agreed among the group's four warps through shared memory) and O += P V; one
+//     arrival per warp frees the stage. At a request's end the second group's rows merge into the
+//     first's, which writes them.
 // Q (bf16, TMA boxes of 64 rows) becomes fp16 in place once per request, as in the split-KV kernel.
 #include <cuda/std/cstdint>
 #include <cuda/std/type_traits>
@@ -135,8 +138,7 @@ __device__ __forceinline__ void consume_pages(Rows& rows, const SchedRow& row) {
 
         float sums[Rows::kRowsPerThread];
         rows.reduce_sums(sums);
-        bool stores = true;
-        if constexpr (Rows::kGroups > 1) stores = rows.merge_groups(sums, bad);
+        const bool stores = rows.merge_groups(sums, bad);
         if (req < row.end_req) {
             if (threadIdx.x == 0) {                           // every warp is past Q (reduce_sums, merge_groups)
                 fence_smem_for_async_proxy();
@@ -176,11 +178,11 @@ fp8_narrow_mla_kernel(const __grid_constant__ SplitKVParams p) {
     const SchedRow row = sched_row(p, p.sched_meta + blockIdx.z * kSchedMetaInts);
     if (!part_is_runnable(p, row, -1)) return;
     if (threadIdx.x >= Rows::kConsumerThreads) {                    // the loading warp (of its warpgroup)
-        if constexpr (Rows::kGroups > 1) warpgroup_release_registers<Rows::kLoaderRegs>();
+        warpgroup_release_registers<Rows::kLoaderRegs>();
         if (threadIdx.x < Rows::kConsumerThreads + 32) load_pages(p, st, row);
         return;
     }
-    if constexpr (Rows::kGroups > 1) warpgroup_claim_registers<Rows::kConsumerRegs>();
+    warpgroup_claim_registers<Rows::kConsumerRegs>();
     Rows rows(p, st);
     consume_pages(rows, row);
 }

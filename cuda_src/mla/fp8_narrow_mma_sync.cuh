@@ -36,10 +36,8 @@ __device__ __forceinline__ uint16_t to_fp16(float x) {
     return h;
 }
 
-struct NarrowMmaSyncRows : NarrowConsumerBase<1> {
-    using Base = NarrowConsumerBase<1>;
-    static constexpr int kGroups = 1;
-    static constexpr int kThreads = kFp8NarrowThreads;           // and a loading warp
+struct NarrowMmaSyncRows : NarrowConsumerBase {
+    using Base = NarrowConsumerBase;
     static constexpr int kRows = kFp8NarrowMmaSyncRows;
     static_assert(kRows == 16, "one m16 tile of query rows");
     static constexpr int kRowsPerThread = 2;       // row halves h: rows quad_row + 8h of the tile
@@ -244,6 +242,11 @@ struct NarrowMmaSyncRows : NarrowConsumerBase<1> {
             #pragma unroll
             for (int w = 0; w < kNarrowWarps; ++w) sums[h] += st.row_sum[group][w][row];
         }
+    }
+
+    __device__ __forceinline__ bool merge_groups(float (&sums)[2], bool& bad) {
+        return Base::merge_groups(o, row_max, sums, bad, warp == 0 && quad == 0, [](int e) { return e / 2; },
+                                  [this](int h) { return row_of(h); });
     }
 
     // O / sum (times k_scale) and lse of the request's rows.

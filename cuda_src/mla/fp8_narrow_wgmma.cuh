@@ -44,11 +44,8 @@ __device__ __forceinline__ uint64_t sw128_k_major_desc(uint32_t addr) {
     return desc.desc_;
 }
 
-struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
-    using Base = NarrowConsumerBase<kNarrowGroups>;
-    static constexpr int kGroups = kNarrowGroups;
-    static constexpr int kThreads = kFp8NarrowWgmmaThreads;      // and a loading warpgroup
-    static constexpr int kLoaderRegs = 24, kConsumerRegs = 240;  // setmaxnreg: 2 x 240 + 24 = 3 x 168
+struct NarrowWgmmaRows : NarrowConsumerBase {
+    using Base = NarrowConsumerBase;
     static constexpr int kRows = kFp8NarrowRows;
     static constexpr int kRowsPerThread = kRows / 4;   // i = 2j + e: row 8j + 2 quad + e
     using Mma = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
@@ -309,64 +306,9 @@ struct NarrowWgmmaRows : NarrowConsumerBase<kNarrowGroups> {
         }
     }
 
-    // The second group's rows into the first's at the request's end: both scale theirs to the
-    // rows' common max, then the second passes its O (fp32, through Q's buffer: both groups are
-    // past Q), sums and bad flag. Returns whether this thread stores (the first group).
     __device__ __forceinline__ bool merge_groups(float (&sums)[kRowsPerThread], bool& bad) {
-        static_assert(kTilesV * 16 * 128 * sizeof(float) <= sizeof(st.q), "the second group's O fits in Q's buffer");
-        if (warp == 0 && quad_row == 0) {
-            #pragma unroll
-            for (int i = 0; i < kRowsPerThread; ++i) st.merge_max[group][row_of(i)] = row_max[i];
-        }
-        sync_consumers(NarrowBarrier::kGroupsDone);
-        float factor[kRowsPerThread];
-        #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-            const float m = fmaxf(st.merge_max[0][row_of(i)], st.merge_max[1][row_of(i)]);
-            factor[i] = m == -kInf ? 0.0f : exp2_approx(row_max[i] - m);
-            sums[i] *= factor[i];
-            row_max[i] = m;
-        }
-        #pragma unroll
-        for (int t = 0; t < kTilesV; ++t) {
-            #pragma unroll
-            for (int at = 0; at < 16; ++at) o[t][at] *= factor[2 * (at / 4) + at % 2];
-        }
-        // [4 tile + c][thread]: o[tile][4c..4c+3] (the address from here: hoisted out of the request
-        // loop, the 32 addresses took registers)
-        float4* other_o = computed_here(reinterpret_cast<float4*>(st.q)) + threadIdx.x % 128;
-        if (group == 1) {
-            #pragma unroll
-            for (int t = 0; t < kTilesV; ++t) {
-                #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    other_o[(4 * t + c) * 128] = make_float4(o[t][4 * c], o[t][4 * c + 1], o[t][4 * c + 2], o[t][4 * c + 3]);
-                }
-            }
-            if (warp == 0 && quad_row == 0) {
-                #pragma unroll
-                for (int i = 0; i < kRowsPerThread; ++i) st.merge_sum[row_of(i)] = sums[i];
-            }
-            if (threadIdx.x % 128 == 0) st.merge_bad = bad;           // alike in the group (its pages' flags)
-        }
-        sync_consumers(NarrowBarrier::kMerged);
-        if (group == 1) return false;
-        bad |= st.merge_bad != 0;
-        #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) sums[i] += st.merge_sum[row_of(i)];
-        #pragma unroll
-        for (int t = 0; t < kTilesV; ++t) {
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const float4 v = other_o[(4 * t + c) * 128];
-                o[t][4 * c] += v.x;
-                o[t][4 * c + 1] += v.y;
-                o[t][4 * c + 2] += v.z;
-                o[t][4 * c + 3] += v.w;
-            }
-        }
-        sync_group(NarrowBarrier::kMergeRead);                        // Q's buffer is free for the next load
-        return true;
+        return Base::merge_groups(o, row_max, sums, bad, warp == 0 && quad_row == 0,
+                                  [](int e) { return 2 * (e / 4) + e % 2; }, [this](int i) { return row_of(i); });
     }
 
     // O / sum (times k_scale) and lse of the request's rows.
