@@ -18,6 +18,7 @@
 namespace flashmla {
 
 constexpr int kCombineVecs = kHeadDimV / (32 * 4);   // float4s per lane: 16 of the 512 columns
+constexpr int kSplitsAhead = 4;                       // splits' rows in flight per lane
 
 // Row `row_in_batch` of request `batch_idx`: O in the input precision, lse in natural log.
 template <typename Element>
@@ -68,6 +69,21 @@ mla_combine_kernel(const __grid_constant__ CombineParams p) {
     const int rows_per_split = p.h_kv * p.q_rows;
     const float* lse_accum = p.lse_accum + (int64_t)first_split * rows_per_split + row_in_batch;
 
+    // Each lane owns 16 of the 512 columns as four float4 (coalesced across the warp). The first
+    // splits' rows are loaded before their weights are known, so that their latency overlaps the
+    // lse's; then kSplitsAhead splits stay in flight, each reloaded as soon as it is added.
+    const float4* o_accum = reinterpret_cast<const float4*>(
+        p.o_accum + ((int64_t)first_split * rows_per_split + row_in_batch) * kHeadDimV);
+    const int64_t split_stride = (int64_t)rows_per_split * kHeadDimV / 4;
+    float4 rows[kSplitsAhead][kCombineVecs];
+    #pragma unroll
+    for (int i = 0; i < kSplitsAhead; ++i) {
+        #pragma unroll
+        for (int v = 0; v < kCombineVecs; ++v) {
+            rows[i][v] = i < num_splits ? o_accum[i * split_stride + v * 32 + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+
     // Each lane reads its splits' lse once into its own slots of `weight` (no other lane touches
     // them before the __syncwarp), which then turn into the splits' weights.
     float* weight = split_weight + warp * p.max_splits;
@@ -96,22 +112,23 @@ mla_combine_kernel(const __grid_constant__ CombineParams p) {
     for (int s = lane; s < num_splits; s += 32) weight[s] = exp2f(weight[s] - total_lse);
     __syncwarp();
 
-    // Each lane owns 16 of the 512 columns as four float4 (coalesced across the warp).
     float4 acc[kCombineVecs];
     #pragma unroll
     for (int v = 0; v < kCombineVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4* o_accum = reinterpret_cast<const float4*>(
-        p.o_accum + ((int64_t)first_split * rows_per_split + row_in_batch) * kHeadDimV);
-    const int64_t split_stride = (int64_t)rows_per_split * kHeadDimV / 4;
-    // No branch on the weight inside: an empty split's rows hold zeros (weight 0), and without
-    // a branch the loads of several splits are in flight at once.
-    #pragma unroll 4
-    for (int s = 0; s < num_splits; ++s) {
-        const float w = weight[s];
+    // No branch on the weight: an empty split's rows hold zeros (weight 0).
+    #pragma unroll 1
+    for (int s = 0; s < num_splits; s += kSplitsAhead) {
         #pragma unroll
-        for (int v = 0; v < kCombineVecs; ++v) {
-            const float4 x = o_accum[s * split_stride + v * 32 + lane];
-            acc[v].x += w * x.x; acc[v].y += w * x.y; acc[v].z += w * x.z; acc[v].w += w * x.w;
+        for (int i = 0; i < kSplitsAhead; ++i) {
+            if (s + i >= num_splits) break;
+            const float w = weight[s + i];
+            const int next = s + i + kSplitsAhead;
+            #pragma unroll
+            for (int v = 0; v < kCombineVecs; ++v) {
+                const float4 x = rows[i][v];
+                acc[v].x += w * x.x; acc[v].y += w * x.y; acc[v].z += w * x.z; acc[v].w += w * x.w;
+                if (next < num_splits) rows[i][v] = o_accum[next * split_stride + v * 32 + lane];
+            }
         }
     }
     pdl_allow_dependents();
