@@ -44,6 +44,14 @@ __device__ __forceinline__ uint64_t sw128_k_major_desc(uint32_t addr) {
     return desc.desc_;
 }
 
+// The descriptor of the operand `bytes` further on. The start address (16-byte units) is the low
+// word's low 14 bits and shared addresses stay below 2^18, so one 32-bit add moves it: built
+// afresh for each WGMMA, a descriptor took six uniform-datapath instructions (perf-notes §28).
+__device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) {
+    const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+    return (desc & 0xffffffff00000000ull) | lo;
+}
+
 struct NarrowWgmmaRows : NarrowConsumerBase {
     using Base = NarrowConsumerBase;
     static constexpr int kRows = kFp8NarrowRows;
@@ -116,7 +124,7 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
     // S^T = K Q^T for the page's 64 tokens; returns with every WGMMA before it complete.
     __device__ __forceinline__ void scores(uint32_t page, float (&s)[16]) const {
         const int token = token_of(0);
-        const uint32_t q = smem_u32(computed_here(st.q));          // its 36 descriptors not kept live
+        const uint64_t q = sw128_k_major_desc(smem_u32(computed_here(st.q)));   // its 36 descriptors not kept live
         #pragma unroll
         for (int blk = 0; blk < kTilesK; ++blk) {                   // 64 dims: box blk / 2, bytes 64 (blk % 2)..
             const uint32_t box = page + (blk / 2) * kStagedBoxBytes;
@@ -139,7 +147,7 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
                 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const int kk = 2 * pair + i;
-                    mma(a[i], sw128_k_major_desc(q + blk * kFp16TileBytes + 32 * kk), s, blk > 0 || kk > 0);
+                    mma(a[i], advance_desc(q, blk * kFp16TileBytes + 32 * kk), s, blk > 0 || kk > 0);
                 }
                 cute::warpgroup_commit_batch();
                 cute::warpgroup_wait<1>();                            // the previous batch's fragments are free
@@ -243,7 +251,7 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
     // may rescale O (with one batch left in flight, ptxas serialized all WGMMAs).
     template <bool kMasked>
     __device__ __forceinline__ void values(uint32_t page, int valid) {
-        const uint32_t p_buf = smem_u32(st.p[group][buffer()]);
+        const uint64_t p_desc = sw128_k_major_desc(smem_u32(st.p[group][buffer()]));
         const uint32_t box = page + warp * kStagedBoxBytes;           // columns 128w.. are box w's bytes
         #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
@@ -277,7 +285,7 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
                 for (int i = 0; i < kBatch; ++i) fence_accumulators(o[kBatch * batch + i]);
                 cute::warpgroup_arrive();
                 #pragma unroll
-                for (int i = 0; i < kBatch; ++i) mma(a[i], sw128_k_major_desc(p_buf + 32 * ks), o[kBatch * batch + i], true);
+                for (int i = 0; i < kBatch; ++i) mma(a[i], advance_desc(p_desc, 32 * ks), o[kBatch * batch + i], true);
                 cute::warpgroup_commit_batch();
                 cute::warpgroup_wait<1>();
             }
