@@ -8,11 +8,11 @@
 //
 // Fragment layouts. The reduction dimensions are permuted so that each thread's operands are
 // contiguous bytes. QK^T: quad lane c takes dims 16c..16c+15 of each 64, four per k-step (one
-// 16-byte load per token and 64 dims; Q's fragment, one 16-byte load per k-step). P V: n8 tile j = 4g + s of warp w holds
-// O's columns 128w + 32g + 4n + s (n = lane / 4), so a thread reads one 32-bit word per token for
-// four tiles and owns 8 contiguous output columns. Column n of QK^T's n8 tile t is token
-// 16w + 8t + n / 2 + 4 (n % 2): the rows a quarter warp loads are 4 apart, on other banks under
-// the 128-byte swizzle.
+// 16-byte load per token and 64 dims; Q's fragment, one 16-byte load per k-step). P V: n8 tile
+// j = 4g + s of warp w holds O's columns 128w + 32g + 4n + s (n = lane / 4), so a thread reads one
+// 32-bit word per token for four tiles and owns 8 contiguous output columns. Column n of QK^T's n8
+// tile t is token 16w + 8t + n / 2 + 4 (n % 2): the rows a quarter warp loads are 4 apart, on
+// other banks under the 128-byte swizzle.
 #pragma once
 #include "mla/fp8_narrow_common.cuh"
 
@@ -73,6 +73,7 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
     // blk and k-step kk, lane l's words {row r, row r + 8} x {dims 16c + 4kk + {0, 1}, + {2, 3}}
     // (r = l / 4, c = l % 4). Assembled from Q's rows at every page they cost ~144 register moves
     // a page (docs/perf-notes.md section 28). They lie in rows 16..31 of tile blk, TMA's zeros here.
+    static_assert(4 * 32 * 16 == kRows * kSwizzleRowBytes && 2 * kRows <= 64, "a tile's fragments fill its rows 16..31");
     __device__ __forceinline__ uint32_t q_fragment(int blk, int kk, int l) const {
         return smem_u32(st.q) + blk * kFp16TileBytes + kRows * kSwizzleRowBytes + (32 * kk + l) * 16;
     }
