@@ -19,8 +19,7 @@
 //     (the row max agreed among the group's four warps through shared memory) and O += P V; one
 //     arrival per warp frees the stage. At a request's end the second group's rows merge into the
 //     first's, which writes them.
-// Q (bf16, TMA boxes of 64 rows) becomes fp16 once per request: in place, permuted (WGMMA form), or
-// as MMA fragments in the boxes' unused rows (mma.sync form).
+// Q (bf16, TMA boxes of 64 rows) becomes fp16 in place once per request, as in the split-KV kernel.
 #include <cuda/std/cstdint>
 #include <cuda/std/type_traits>
 
