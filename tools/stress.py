@@ -2,13 +2,16 @@
 failure, a hang): what a single test run does not show.
 
     python tools/stress.py [--processes 40] [--dtype fp8] [--shapes 4096x8x1,4096x16x1,8192x8x2]
-                           [--batch 128] [--calls 100] [--timeout 30]
+                           [--batch 128] [--calls 100] [--timeout 30] [--topk N]
 
 Each process (a new seed each): for every shape (s_k x h_q x s_q; one KV head, causal), cache
 lengths drawn from N(s_k, s_k / 2) (at least s_q), 10 calls back to back, then --calls calls each
 after a 256 MiB memset (the profiler's way of timing), one synchronization; it prints "ok" or the
-error. The processes run one after another; a process that prints neither within --timeout is
-counted as a hang. One line per process, then the count; exit status 1 on any failure.
+error. ``--topk N``: sparse decoding instead (the FP8 cache of DeepSeek-V3.2, N distinct indices
+per query token among each request's s_k tokens, attn_sink; the profiler's sparse inputs, seeded
+per process). The processes run one after another; a process that prints neither within
+--timeout is counted as a hang. One line per process, then the count; exit status 1 on any
+failure.
 
 The defaults are the narrow kernel's shapes (docs/perf-notes.md section 29: with the Q fragments of
 b7ef514 about 40 % of these processes failed on a lent H200; fixed lengths rarely showed it).
@@ -22,34 +25,51 @@ import sys
 DEFAULT_SHAPES = "4096x8x1,4096x16x1,8192x8x2"
 
 
-def child(seed: int, dtype: str, shapes: list[tuple[int, int, int]], batch: int, calls: int) -> None:
-    import os
-
-    import cupy
+def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: int, topk: int):
+    """One default call of the shape, on fresh inputs."""
     import numpy as np
 
     import flashmla_cupy
     from flashmla_cupy import testing
 
+    if topk:
+        from flashmla_cupy.profiler.inputs import make_sparse_inputs
+        from flashmla_cupy.profiler.shapes import SparseShape
+        x = make_sparse_inputs(SparseShape(batch, h_q, s_q, s_k, topk), seed=seed)
+        md, ns = flashmla_cupy.get_mla_metadata(x.cache_seqlens, s_q * h_q, 1, num_heads_q=h_q, is_fp8_kvcache=True,
+                                                topk=topk)
+        return lambda: flashmla_cupy.flash_mla_with_kvcache(x.q, x.k_cache, None, x.cache_seqlens, 512, md, ns,
+                                                            is_fp8_kvcache=True, indices=x.indices,
+                                                            attn_sink=x.attn_sink)
+    lens = np.maximum(rng.normal(s_k, s_k / 2, batch).astype(np.int64), s_q)
+    inp = testing.make_inputs(rng, lens, s_q, h_q, 1, dtype, spare_blocks=0, garbage_columns=0)
+    md, ns = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+    return lambda: flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
+                                                        md, ns, causal=True, **inp.cache_kwargs())
+
+
+def child(seed: int, dtype: str, shapes: list[tuple[int, int, int]], batch: int, calls: int, topk: int) -> None:
+    import os
+
+    import cupy
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     flush = cupy.empty(256 << 20, dtype=np.uint8)
     stream = cupy.cuda.get_current_stream()
     for s_k, h_q, s_q in shapes:
-        lens = np.maximum(rng.normal(s_k, s_k / 2, batch).astype(np.int64), s_q)
-        inp = testing.make_inputs(rng, lens, s_q, h_q, 1, dtype, spare_blocks=0, garbage_columns=0)
-        md, ns = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+        call = call_for(seed, rng, dtype, batch, s_k, h_q, s_q, topk)
         i = -1
         try:
             for i in range(10 + calls):
                 if i >= 10:
                     cupy.cuda.runtime.memsetAsync(flush.data.ptr, i & 0xff, flush.nbytes, stream.ptr)
-                flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
-                                                     md, ns, causal=True, **inp.cache_kwargs())
+                call()
             stream.synchronize()
         except Exception as e:  # noqa: BLE001 - any CUDA error is the finding
             print(f"FAILED s_k {s_k} h_q {h_q} s_q {s_q} (error seen at call {i}): {type(e).__name__}: {e}", flush=True)
             os._exit(1)   # the context is lost: no clean-up that would raise again
-        del inp
+        del call
     print("ok", flush=True)
 
 
@@ -62,18 +82,19 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds a process may take")
     ap.add_argument("--seed", type=int, default=0, help="the first process's seed")
+    ap.add_argument("--topk", type=int, default=0, help="sparse decoding, topk indices per query token")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child is not None:
-        child(args.child, args.dtype, shapes, args.batch, args.calls)
+        child(args.child, args.dtype, shapes, args.batch, args.calls, args.topk)
         return 0
 
     failures = 0
     for k in range(args.processes):
         seed = args.seed + k
         cmd = [sys.executable, __file__, "--child", str(seed), "--dtype", args.dtype, "--shapes", args.shapes,
-               "--batch", str(args.batch), "--calls", str(args.calls)]
+               "--batch", str(args.batch), "--calls", str(args.calls), "--topk", str(args.topk)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             last_error = (done.stderr.strip().splitlines() or ["no output"])[-1]
