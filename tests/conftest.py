@@ -3,6 +3,9 @@
 Markers: ``gpu`` (any CUDA GPU), ``hopper`` (an sm_90 GPU: the MLA kernels), ``nvrtc`` (NVRTC
 and the headers it compiles with), ``slow`` (long checks, run with ``-m slow`` or ``--run-slow``).
 
+Fixture ``rng``: a NumPy generator on a fresh seed, printed (pytest shows it on failure);
+``FLASHMLA_CUPY_TEST_SEED`` replays one.
+
 Fuzzing options (tests/test_fuzz.py): ``--fuzz-shapes N`` shapes per dtype (default: environment
 variable ``FLASHMLA_CUPY_FUZZ_SHAPES``, else 40) and ``--fuzz-seed S`` master seed (default:
 ``FLASHMLA_CUPY_FUZZ_SEED``, else random; printed, and in every failure message).
@@ -10,12 +13,21 @@ variable ``FLASHMLA_CUPY_FUZZ_SHAPES``, else 40) and ``--fuzz-seed S`` master se
 from __future__ import annotations
 
 import functools
+import os
 
+import numpy as np
 import pytest
 
 # FlashMLA's own test script (torch and triton at import): run by test_flash_mla_torch.py in a
 # subprocess, never collected itself.
 collect_ignore = ["seed_flash_mla.py"]
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("FLASHMLA_CUPY_TEST_SEED", np.random.SeedSequence().entropy))
+    print(f"seed: FLASHMLA_CUPY_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
 
 
 @functools.lru_cache(maxsize=None)

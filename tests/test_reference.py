@@ -9,7 +9,6 @@ fresh seed, printed (pytest shows it on failure); ``FLASHMLA_CUPY_TEST_SEED`` re
 from __future__ import annotations
 
 import math
-import os
 
 import ml_dtypes
 import numpy as np
@@ -19,13 +18,6 @@ from flashmla_cupy import reference
 
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 TIGHT = dict(rtol=1e-10, atol=1e-13)   # two float64 computations of the same numbers
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("FLASHMLA_CUPY_TEST_SEED", np.random.SeedSequence().entropy))
-    print(f"seed: FLASHMLA_CUPY_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
 
 
 def paged_case(rng, seqlens, s_q, h_q, h_kv, d, page=64, dtype="fp32", spare_pages=3):

@@ -10,21 +10,12 @@ it on failure); ``FLASHMLA_CUPY_TEST_SEED`` replays one.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from flashmla_cupy import scheduler
 from flashmla_cupy.scheduler import FIXED_OVERHEAD_BLOCKS as OVERHEAD
 from flashmla_cupy.scheduler import BLOCK_N as PAGE
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("FLASHMLA_CUPY_TEST_SEED", np.random.SeedSequence().entropy))
-    print(f"seed: FLASHMLA_CUPY_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
 
 
 def check_schedule(seqlens, parts, metadata, num_splits, topk=None):
