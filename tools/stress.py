@@ -6,8 +6,9 @@ failure, a hang): what a single test run does not show.
 
 Each process (a new seed each): for every shape (s_k x h_q x s_q; one KV head, causal), cache
 lengths drawn from N(s_k, s_k / 2) (at least s_q), 10 calls back to back, then --calls calls each
-after a 256 MiB memset (the profiler's way of timing), one synchronization; it prints "ok" or the
-error. ``--topk N``: sparse decoding instead (the FP8 cache of DeepSeek-V3.2, N distinct indices
+after a 256 MiB memset (the profiler's way of timing), one synchronization; it prints "ok", the
+error, or how many calls' out and lse differ bit for bit from the first call's (the kernels are
+deterministic: a difference is a race that did not crash). ``--topk N``: sparse decoding instead (the FP8 cache of DeepSeek-V3.2, N distinct indices
 per query token among each request's s_k tokens, attn_sink; the profiler's sparse inputs, seeded
 per process). The processes run one after another; a process that prints neither within
 --timeout is counted as a hang. One line per process, then the count; exit status 1 on any
@@ -57,18 +58,25 @@ def child(seed: int, dtype: str, shapes: list[tuple[int, int, int]], batch: int,
     rng = np.random.default_rng(seed)
     flush = cupy.empty(256 << 20, dtype=np.uint8)
     stream = cupy.cuda.get_current_stream()
+    bits = lambda a: a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)   # NaN == NaN, bit for bit
     for s_k, h_q, s_q in shapes:
         call = call_for(seed, rng, dtype, batch, s_k, h_q, s_q, topk)
         i = -1
         try:
-            for i in range(10 + calls):
+            first = [bits(x).copy() for x in call()]
+            differ = cupy.zeros((), dtype=np.int32)   # calls whose out or lse differ from the first's
+            for i in range(1, 10 + calls):
                 if i >= 10:
                     cupy.cuda.runtime.memsetAsync(flush.data.ptr, i & 0xff, flush.nbytes, stream.ptr)
-                call()
-            stream.synchronize()
+                differ += cupy.any(cupy.stack([cupy.any(bits(x) != f) for x, f in zip(call(), first)]))
+            differing = int(differ)
         except Exception as e:  # noqa: BLE001 - any CUDA error is the finding
             print(f"FAILED s_k {s_k} h_q {h_q} s_q {s_q} (error seen at call {i}): {type(e).__name__}: {e}", flush=True)
             os._exit(1)   # the context is lost: no clean-up that would raise again
+        if differing:
+            print(f"FAILED s_k {s_k} h_q {h_q} s_q {s_q}: {differing} of {9 + calls} calls' outputs differ from the "
+                  "first call's (the kernels are deterministic)", flush=True)
+            os._exit(1)
         del call
     print("ok", flush=True)
 
