@@ -8,11 +8,11 @@ Each process (a new seed each): for every shape (s_k x h_q x s_q; one KV head, c
 lengths drawn from N(s_k, s_k / 2) (at least s_q), 10 calls back to back, then --calls calls each
 after a 256 MiB memset (the profiler's way of timing), one synchronization; it prints "ok", the
 error, or how many calls' out and lse differ bit for bit from the first call's (the kernels are
-deterministic: a difference is a race that did not crash). ``--topk N``: sparse decoding instead (the FP8 cache of DeepSeek-V3.2, N distinct indices
-per query token among each request's s_k tokens, attn_sink; the profiler's sparse inputs, seeded
-per process). The processes run one after another; a process that prints neither within
---timeout is counted as a hang. One line per process, then the count; exit status 1 on any
-failure.
+deterministic: a difference is a race that did not crash). ``--topk N``: sparse decoding instead
+(the FP8 cache of DeepSeek-V3.2, N distinct indices per query token among each request's s_k
+tokens, attn_sink; the profiler's sparse inputs, seeded per process). The processes run one after
+another; a process that prints neither within --timeout is counted as a hang. One line per
+process, then the count; exit status 1 on any failure.
 
 The defaults are the narrow kernel's shapes (docs/perf-notes.md section 29: with the Q fragments of
 b7ef514 about 40 % of these processes failed on a lent H200; fixed lengths rarely showed it).
