@@ -35,15 +35,15 @@ def _fp8_narrow_smem_bytes() -> int:
     """The narrow kernel's NarrowStorage (fp8_narrow_kernel.cu; the compile checks they agree): the
     ring of staged pages (five boxes of 64 rows x 128 bytes each), Q's nine 64 x 64 16-bit tiles,
     per group of consumer warps (two) two P buffers (FP8_NARROW_ROWS x 64 fp16) and per-warp row
-    maxima (two pages) and sums, the merge's row maxima, sums and flag, a flag per stage and 2
-    mbarriers per stage + Q's, padded to 1024 bytes."""
+    maxima (two pages) and sums, the merge's row maxima, sums and flag, a flag per stage, per stage
+    an mbarrier per group ("full") and one ("empty"), Q's, padded to 1024 bytes."""
     page = 5 * constants.BLOCK_N * constants.FP8_STAGED_ROW_BYTES
     q = (constants.HEAD_DIM_K // constants.TMA_BOX) * constants.BLOCK_M * constants.TMA_BOX * 2
     groups = constants.FP8_NARROW_THREADS // 128 - 1   # and a loading warpgroup
     p = groups * 2 * constants.FP8_NARROW_ROWS * constants.BLOCK_N * 2
     rows = (groups * (2 * 4 + 4) + groups + 1) * constants.FP8_NARROW_ROWS * 4 + 4
     size = constants.FP8_NARROW_STAGES * (page + 4) + q + p + rows
-    size = -(-size // 8) * 8 + 8 * (2 * constants.FP8_NARROW_STAGES + 1)
+    size = -(-size // 8) * 8 + 8 * ((groups + 1) * constants.FP8_NARROW_STAGES + 1)
     return -(-size // 1024) * 1024
 
 

@@ -22,6 +22,14 @@ constexpr int kNarrowWarps = 4;
 constexpr int kNarrowGroups = kFp8NarrowThreads / 128 - 1;
 static_assert(kNarrowWarps * 16 == kBlockN && kNarrowWarps * 128 == kHeadDimV, "a warp's tokens and columns");
 static_assert(kNarrowGroups == 2, "two groups and a loading warpgroup");
+// The ring's pages alternate between the groups, and with an odd ring so do a stage's pages. A
+// parity wait must trail its barrier by at most one phase, so each group has its own "full"
+// barrier per stage: with one, a group waiting for its page could find the stage still in the
+// other group's phase, whose parity is its own page's from two phases before, and run on the old
+// bytes (launch failures and hangs, docs/perf-notes.md section 29). Page n is use n / kStageRound
+// of its group's barrier; the loader sees every phase of `empty` and needs one per stage.
+constexpr int kStageRound = kFp8NarrowStages * kNarrowGroups;
+static_assert(kFp8NarrowStages % 2 == 1, "an odd ring: a stage's pages alternate between the groups");
 
 struct alignas(1024) NarrowStorage {
     alignas(1024) uint8_t stage[kFp8NarrowStages][kStagedPageBytes];   // staged pages, boxes packed
@@ -34,7 +42,7 @@ struct alignas(1024) NarrowStorage {
     float merge_sum[kFp8NarrowRows];
     int merge_bad;                                                     // the second group met a bad block id
     int bad_page[kFp8NarrowStages];                                    // the stage's page met a bad block id
-    uint64_t full[kFp8NarrowStages];                                   // the stage's bytes have landed
+    uint64_t full[kNarrowGroups][kFp8NarrowStages];                    // the stage's bytes (a page of that group) landed
     uint64_t empty[kFp8NarrowStages];                                  // every consumer warp is done with it
     uint64_t bar_q;
 };

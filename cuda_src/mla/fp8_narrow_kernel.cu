@@ -70,7 +70,7 @@ __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage
                     }
                 }
             }
-            const uint32_t full = smem_u32(&st.full[stage]);
+            const uint32_t full = smem_u32(&st.full[n % kNarrowGroups][stage]);   // the page's group's
             bad = __any_sync(0xffffffffu, bad);
             if (lane == 0) {
                 st.bad_page[stage] = bad;
@@ -123,7 +123,7 @@ __device__ __forceinline__ void consume_pages(Rows& rows, const SchedRow& row) {
                 continue;
             }
             const int stage = rows.n % kFp8NarrowStages;
-            mbarrier_wait(smem_u32(&st.full[stage]), (rows.n / kFp8NarrowStages) & 1);
+            mbarrier_wait(smem_u32(&st.full[rows.group][stage]), (rows.n / kStageRound) & 1);
             bad |= st.bad_page[stage] != 0;
             const int first_token = page * kBlockN;
             if (page >= masked_page) {
@@ -167,7 +167,7 @@ fp8_narrow_mla_kernel(const __grid_constant__ SplitKVParams p) {
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(smem_u32(&st.bar_q), 1);
         for (int s = 0; s < kFp8NarrowStages; ++s) {
-            mbarrier_init(smem_u32(&st.full[s]), 1);                              // the loading warp's byte count
+            for (int g = 0; g < kNarrowGroups; ++g) mbarrier_init(smem_u32(&st.full[g][s]), 1);   // the loading warp's byte count
             mbarrier_init(smem_u32(&st.empty[s]), kNarrowWarps);                  // one arrival per consumer warp
         }
         mbarrier_init_fence();
