@@ -19,7 +19,8 @@
 //     (the row max agreed among the group's four warps through shared memory) and O += P V; one
 //     arrival per warp frees the stage. At a request's end the second group's rows merge into the
 //     first's, which writes them.
-// Q (bf16, TMA boxes of 64 rows) becomes fp16 in place once per request, as in the split-KV kernel.
+// Q (bf16, TMA boxes of 64 rows) becomes fp16 once per request: in place, permuted (WGMMA form), or
+// as MMA fragments in the boxes' unused rows (mma.sync form).
 #include <cuda/std/cstdint>
 #include <cuda/std/type_traits>
 
@@ -147,7 +148,8 @@ __device__ __forceinline__ void consume_pages(Rows& rows, const SchedRow& row) {
         } else {
             pdl_allow_dependents();                           // the combine kernel may start
         }
-        if (stores) rows.store(rows.output(req, row, span, bad), sums);
+        // the row's split index read again here: kept over the pages, the mma.sync form spilled it
+        if (stores) rows.store(rows.output(req, sched_row_here(p), span, bad), sums);
     }
 }
 

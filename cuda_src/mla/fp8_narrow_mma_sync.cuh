@@ -8,11 +8,11 @@
 //
 // Fragment layouts. The reduction dimensions are permuted so that each thread's operands are
 // contiguous bytes. QK^T: quad lane c takes dims 16c..16c+15 of each 64, four per k-step (one
-// 16-byte load per token and 64 dims, two for Q's fp16). P V: n8 tile j = 4g + s of warp w holds
-// O's columns 128w + 32g + 4n + s (n = lane / 4), so a thread reads one 32-bit word per token for
-// four tiles and owns 8 contiguous output columns. Column n of QK^T's n8 tile t is token
-// 16w + 8t + n / 2 + 4 (n % 2): the rows a quarter warp loads are 4 apart, on other banks under
-// the 128-byte swizzle.
+// 16-byte load per token and 64 dims; Q's fragment, one 16-byte load per k-step). P V: n8 tile
+// j = 4g + s of warp w holds O's columns 128w + 32g + 4n + s (n = lane / 4), so a thread reads one
+// 32-bit word per token for four tiles and owns 8 contiguous output columns. Column n of QK^T's n8
+// tile t is token 16w + 8t + n / 2 + 4 (n % 2): the rows a quarter warp loads are 4 apart, on
+// other banks under the 128-byte swizzle.
 #pragma once
 #include "mla/fp8_narrow_common.cuh"
 
@@ -69,14 +69,29 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
         }
     }
 
-    // The first 16 rows of every tile of Q, bf16 -> fp16 in place.
+    // Q's A fragments, fp16, each where scores() loads it with one 16-byte load: for 64-dim block
+    // blk and k-step kk, lane l's words {row r, row r + 8} x {dims 16c + 4kk + {0, 1}, + {2, 3}}
+    // (r = l / 4, c = l % 4). Assembled from Q's rows at every page they cost ~144 register moves
+    // a page (docs/perf-notes.md section 28). They lie in rows 16..31 of tile blk, TMA's zeros here.
+    static_assert(4 * 32 * 16 == kRows * kSwizzleRowBytes && 2 * kRows <= 64, "a tile's fragments fill its rows 16..31");
+    __device__ __forceinline__ uint32_t q_fragment(int blk, int kk, int l) const {
+        return smem_u32(st.q) + blk * kFp16TileBytes + kRows * kSwizzleRowBytes + (32 * kk + l) * 16;
+    }
+
+    // Q's fragments from the first 16 rows of every tile (bf16 -> fp16).
     __device__ __forceinline__ void prepare_q() const {
-        constexpr int kChunksPerTile = kRows * kSwizzleRowBytes / 16;
-        for (int i = threadIdx.x; i < kTilesK * kChunksPerTile; i += kConsumerThreads) {
-            const uint32_t addr = smem_u32(st.q) + (i / kChunksPerTile) * kFp16TileBytes + (i % kChunksPerTile) * 16;
-            const uint4 v = load_shared(addr);
-            store_shared(addr, make_uint4(bf16x2_to_fp16x2(v.x), bf16x2_to_fp16x2(v.y), bf16x2_to_fp16x2(v.z),
-                                          bf16x2_to_fp16x2(v.w)));
+        constexpr int kFragments = kTilesK * 4 * 32;
+        for (int i = threadIdx.x; i < kFragments; i += kConsumerThreads) {
+            const int blk = i / 128, kk = i / 32 % 4, l = i % 32;
+            const uint32_t tile = smem_u32(st.q) + blk * kFp16TileBytes;
+            uint32_t w[2][2];                                         // [row half][dims + {0, 1}, + {2, 3}]
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 v = load_shared(swizzled_chunk(tile, l / 4 + 8 * h, 2 * (l % 4) + kk / 2));
+                w[h][0] = bf16x2_to_fp16x2(word_of(v, 2 * (kk % 2)));
+                w[h][1] = bf16x2_to_fp16x2(word_of(v, 2 * (kk % 2) + 1));
+            }
+            store_shared(q_fragment(blk, kk, l), make_uint4(w[0][0], w[1][0], w[0][1], w[1][1]));
         }
         sync_consumers(NarrowBarrier::kQReady);
     }
@@ -89,13 +104,20 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
         values<kMasked>(page, valid);
     }
 
-    // S = Q K^T for this warp's 16 tokens of the staged page at `page`.
+    // S = Q K^T for this warp's 16 tokens of the staged page at `page`. Each tile's sum over the
+    // 576 dims runs as kScoreChains chains (its 36 k-steps in turn),
+    // added at the end: with one chain a tile, each of its 36 mma.sync waited for the one before.
+    static constexpr int kScoreChains = 3;
     __device__ __forceinline__ void scores(uint32_t page, float (&s)[2][4]) const {
         const int token = 16 * warp + (quad_row >> 1) + 4 * (quad_row & 1);   // of n8 tile 0 (+8 for tile 1)
+        float part[2][kScoreChains][4];                             // [tile][chain]
         #pragma unroll
         for (int t = 0; t < 2; ++t) {
             #pragma unroll
-            for (int i = 0; i < 4; ++i) s[t][i] = 0.0f;
+            for (int c = 0; c < kScoreChains; ++c) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) part[t][c][i] = 0.0f;
+            }
         }
         #pragma unroll
         for (int blk = 0; blk < kTilesK; ++blk) {                   // 64 dims: box blk / 2, bytes 64 (blk % 2)..
@@ -103,23 +125,24 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
             uint4 k[2];
             #pragma unroll
             for (int t = 0; t < 2; ++t) k[t] = load_shared(swizzled_chunk(box, token + 8 * t, (blk % 2) * 4 + quad));
-            const uint32_t q_tile = smem_u32(st.q) + blk * kFp16TileBytes;
-            uint4 q[2][2];                                           // [row half][dims 16c..+7, +8..+15]
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                q[h][0] = load_shared(swizzled_chunk(q_tile, row_of(h), 2 * quad));
-                q[h][1] = load_shared(swizzled_chunk(q_tile, row_of(h), 2 * quad + 1));
-            }
             #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {                         // dims 16c + 4kk .. + 3
-                const int w = 2 * (kk % 2);
-                const uint32_t a[4] = {word_of(q[0][kk / 2], w), word_of(q[1][kk / 2], w),
-                                       word_of(q[0][kk / 2], w + 1), word_of(q[1][kk / 2], w + 1)};
+                const uint4 q = load_shared(q_fragment(blk, kk, lane));
+                const uint32_t a[4] = {q.x, q.y, q.z, q.w};
                 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
                     const uint32_t bytes = word_of(k[t], kk);
-                    mma_16816(s[t], a, e4m3x2_to_fp16x2(bytes & 0xffffu), e4m3x2_to_fp16x2(bytes >> 16));
+                    mma_16816(part[t][(4 * blk + kk) % kScoreChains], a, e4m3x2_to_fp16x2(bytes & 0xffffu), e4m3x2_to_fp16x2(bytes >> 16));
                 }
+            }
+        }
+        #pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s[t][i] = part[t][0][i];
+                #pragma unroll
+                for (int c = 1; c < kScoreChains; ++c) s[t][i] += part[t][c][i];
             }
         }
     }
