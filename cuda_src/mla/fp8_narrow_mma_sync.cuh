@@ -105,8 +105,8 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
     }
 
     // S = Q K^T for this warp's 16 tokens of the staged page at `page`. Each tile's sum over the
-    // 576 dims runs as kScoreChains chains (its 36 k-steps in turn),
-    // added at the end: with one chain a tile, each of its 36 mma.sync waited for the one before.
+    // 576 dims runs as kScoreChains chains (its 36 k-steps in turn), added at the end: with one
+    // chain a tile, each of its 36 mma.sync waited for the one before (perf-notes section 29).
     static constexpr int kScoreChains = 3;
     __device__ __forceinline__ void scores(uint32_t page, float (&s)[2][4]) const {
         const int token = 16 * warp + (quad_row >> 1) + 4 * (quad_row & 1);   // of n8 tile 0 (+8 for tile 1)
