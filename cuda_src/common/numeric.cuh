@@ -28,6 +28,20 @@ __device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
     return h;
 }
 
+// Four e4m3 values (a 32-bit word) -> the fp16x2 pairs of its low and high halves (exact). Each
+// conversion reads its half in place (F2FP's .H1 operand for the high one): a shift fewer than
+// e4m3x2_to_fp16x2(four >> 16) (docs/perf-notes.md section 28).
+struct Fp16x2Pair {
+    uint32_t lo, hi;
+};
+__device__ __forceinline__ Fp16x2Pair e4m3x4_to_fp16x2(uint32_t four_fp8) {
+    Fp16x2Pair r;
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, lo;\n\tcvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
+        : "=r"(r.lo), "=r"(r.hi) : "r"(four_fp8));
+    return r;
+}
+
 // An fp16x2 pair -> two e4m3 values (round to nearest, saturating), in the low 16 bits.
 __device__ __forceinline__ uint32_t fp16x2_to_e4m3x2(uint32_t pair) {
     uint16_t two;

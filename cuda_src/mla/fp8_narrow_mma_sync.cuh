@@ -131,8 +131,8 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
                 const uint32_t a[4] = {q.x, q.y, q.z, q.w};
                 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
-                    const uint32_t bytes = word_of(k[t], kk);
-                    mma_16816(part[t][(4 * blk + kk) % kScoreChains], a, e4m3x2_to_fp16x2(bytes & 0xffffu), e4m3x2_to_fp16x2(bytes >> 16));
+                    const Fp16x2Pair b = e4m3x4_to_fp16x2(word_of(k[t], kk));
+                    mma_16816(part[t][(4 * blk + kk) % kScoreChains], a, b.lo, b.hi);
                 }
             }
         }
@@ -236,14 +236,14 @@ struct NarrowMmaSyncRows : NarrowConsumerBase {
                     if constexpr (kMasked) w[r] = tk < valid ? w[r] : 0u;
                 }
                 // pairs (token, token + 1) of each column's byte: columns s = 0, 1 and 2, 3
-                const uint32_t lo = byte_perm(w[0], w[1], 0x5140), hi = byte_perm(w[0], w[1], 0x7362);
-                const uint32_t lo8 = byte_perm(w[2], w[3], 0x5140), hi8 = byte_perm(w[2], w[3], 0x7362);
-                const uint32_t b0[4] = {lo & 0xffffu, lo >> 16, hi & 0xffffu, hi >> 16};
-                const uint32_t b1[4] = {lo8 & 0xffffu, lo8 >> 16, hi8 & 0xffffu, hi8 >> 16};
+                const Fp16x2Pair c01 = e4m3x4_to_fp16x2(byte_perm(w[0], w[1], 0x5140));
+                const Fp16x2Pair c23 = e4m3x4_to_fp16x2(byte_perm(w[0], w[1], 0x7362));
+                const Fp16x2Pair c01_8 = e4m3x4_to_fp16x2(byte_perm(w[2], w[3], 0x5140));
+                const Fp16x2Pair c23_8 = e4m3x4_to_fp16x2(byte_perm(w[2], w[3], 0x7362));
+                const uint32_t b0[4] = {c01.lo, c01.hi, c23.lo, c23.hi};
+                const uint32_t b1[4] = {c01_8.lo, c01_8.hi, c23_8.lo, c23_8.hi};
                 #pragma unroll
-                for (int sub = 0; sub < 4; ++sub) {
-                    mma_16816(o[4 * g + sub], a, e4m3x2_to_fp16x2(b0[sub]), e4m3x2_to_fp16x2(b1[sub]));
-                }
+                for (int sub = 0; sub < 4; ++sub) mma_16816(o[4 * g + sub], a, b0[sub], b1[sub]);
             }
         }
     }
