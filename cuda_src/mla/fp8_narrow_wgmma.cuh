@@ -137,10 +137,11 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
                 #pragma unroll
                 for (int i = 0; i < 2; ++i) {                        // dims 16c + 4kk .. + 3
                     const uint32_t w0 = word_of(k[0], 2 * pair + i), w1 = word_of(k[1], 2 * pair + i);
-                    a[i][0] = e4m3x2_to_fp16x2(w0 & 0xffffu);
-                    a[i][1] = e4m3x2_to_fp16x2(w1 & 0xffffu);
-                    a[i][2] = e4m3x2_to_fp16x2(w0 >> 16);
-                    a[i][3] = e4m3x2_to_fp16x2(w1 >> 16);
+                    const Fp16x2Pair c0 = e4m3x4_to_fp16x2(w0), c1 = e4m3x4_to_fp16x2(w1);
+                    a[i][0] = c0.lo;
+                    a[i][1] = c1.lo;
+                    a[i][2] = c0.hi;
+                    a[i][3] = c1.hi;
                 }
                 fence_accumulators(s);
                 cute::warpgroup_arrive();
@@ -276,10 +277,11 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
                     const uint32_t selector = t % 2 ? 0x7362u : 0x5140u;
                     const uint32_t x = byte_perm(word_of(v[0], t / 2), word_of(v[1], t / 2), selector);
                     const uint32_t y = byte_perm(word_of(v[2], t / 2), word_of(v[3], t / 2), selector);
-                    a[i][0] = e4m3x2_to_fp16x2(x & 0xffffu);
-                    a[i][1] = e4m3x2_to_fp16x2(x >> 16);
-                    a[i][2] = e4m3x2_to_fp16x2(y & 0xffffu);
-                    a[i][3] = e4m3x2_to_fp16x2(y >> 16);
+                    const Fp16x2Pair cx = e4m3x4_to_fp16x2(x), cy = e4m3x4_to_fp16x2(y);
+                    a[i][0] = cx.lo;
+                    a[i][1] = cx.hi;
+                    a[i][2] = cy.lo;
+                    a[i][3] = cy.hi;
                 }
                 #pragma unroll
                 for (int i = 0; i < kBatch; ++i) fence_accumulators(o[kBatch * batch + i]);
