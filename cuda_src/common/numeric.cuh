@@ -21,16 +21,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// Two e4m3 values (a 16-bit word) -> fp16x2 (exact).
-__device__ __forceinline__ uint32_t e4m3x2_to_fp16x2(uint32_t two_fp8) {
-    uint32_t h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(two_fp8)));
-    return h;
-}
-
 // Four e4m3 values (a 32-bit word) -> the fp16x2 pairs of its low and high halves (exact). Each
 // conversion reads its half in place (F2FP's .H1 operand for the high one): a shift fewer than
-// e4m3x2_to_fp16x2(four >> 16) (docs/perf-notes.md section 28).
+// converting `four >> 16` (docs/perf-notes.md section 28).
 struct Fp16x2Pair {
     uint32_t lo, hi;
 };

@@ -28,12 +28,10 @@ namespace flashmla {
 // 16 e4m3 values, values 16 part .. 16 part + 15 of row `row`, as fp16 into the tile at `tile`
 // (64 rows x 64 fp16 values, 128-byte swizzle): two 16-byte chunks of the swizzled row.
 __device__ __forceinline__ void store_e4m3_chunk_as_fp16(uint32_t tile, int row, int part, uint4 raw) {
-    store_shared(swizzled_chunk(tile, row, 2 * part),
-                 make_uint4(e4m3x2_to_fp16x2(raw.x & 0xffffu), e4m3x2_to_fp16x2(raw.x >> 16),
-                            e4m3x2_to_fp16x2(raw.y & 0xffffu), e4m3x2_to_fp16x2(raw.y >> 16)));
-    store_shared(swizzled_chunk(tile, row, 2 * part + 1),
-                 make_uint4(e4m3x2_to_fp16x2(raw.z & 0xffffu), e4m3x2_to_fp16x2(raw.z >> 16),
-                            e4m3x2_to_fp16x2(raw.w & 0xffffu), e4m3x2_to_fp16x2(raw.w >> 16)));
+    const Fp16x2Pair x = e4m3x4_to_fp16x2(raw.x), y = e4m3x4_to_fp16x2(raw.y);
+    const Fp16x2Pair z = e4m3x4_to_fp16x2(raw.z), w = e4m3x4_to_fp16x2(raw.w);
+    store_shared(swizzled_chunk(tile, row, 2 * part), make_uint4(x.lo, x.hi, y.lo, y.hi));
+    store_shared(swizzled_chunk(tile, row, 2 * part + 1), make_uint4(z.lo, z.hi, w.lo, w.hi));
 }
 
 template <typename T>

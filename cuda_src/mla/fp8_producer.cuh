@@ -136,14 +136,13 @@ struct Fp8Producer {
     __device__ __forceinline__ void store_dequantized(int buf, int tile, int row, uint4 raw, uint32_t scale2) const {
         const int part = lane / 8;
         const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t h[8];
         CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-            h[2 * j] = fp16x2_mul(e4m3x2_to_fp16x2(w[j] & 0xffffu), scale2);
-            h[2 * j + 1] = fp16x2_mul(e4m3x2_to_fp16x2(w[j] >> 16), scale2);
+        for (int half = 0; half < 2; ++half) {
+            const Fp16x2Pair x = e4m3x4_to_fp16x2(w[2 * half]), y = e4m3x4_to_fp16x2(w[2 * half + 1]);
+            store_shared(chunk_address(buf, tile, row, 2 * part + half),
+                         make_uint4(fp16x2_mul(x.lo, scale2), fp16x2_mul(x.hi, scale2),
+                                    fp16x2_mul(y.lo, scale2), fp16x2_mul(y.hi, scale2)));
         }
-        store_shared(chunk_address(buf, tile, row, 2 * part), make_uint4(h[0], h[1], h[2], h[3]));
-        store_shared(chunk_address(buf, tile, row, 2 * part + 1), make_uint4(h[4], h[5], h[6], h[7]));
     }
 
     // Group kGroup of row `row`: 0, NoPE tiles 0-3; 1, NoPE tiles 4-7 and the RoPE tile (bf16, as

@@ -135,8 +135,8 @@ __device__ __forceinline__ void rescale_e4m3_p(FragP& p, const float (&factor)[2
     CUTE_UNROLL
     for (int r = 0; r < 8; ++r) {
         const uint32_t f = fp16x2_splat(factor[r % 2]);
-        words(r) = fp16x2_to_e4m3x2(fp16x2_mul(e4m3x2_to_fp16x2(words(r) & 0xffffu), f)) |
-                   fp16x2_to_e4m3x2(fp16x2_mul(e4m3x2_to_fp16x2(words(r) >> 16), f)) << 16;
+        const Fp16x2Pair pair = e4m3x4_to_fp16x2(words(r));
+        words(r) = fp16x2_to_e4m3x2(fp16x2_mul(pair.lo, f)) | fp16x2_to_e4m3x2(fp16x2_mul(pair.hi, f)) << 16;
     }
 }
 
