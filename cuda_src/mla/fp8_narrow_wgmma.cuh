@@ -7,7 +7,8 @@
 //
 // Per page (64 tokens = M), for the 32 rows (N):
 //   S^T = K Q^T: 36 m64n32k16 steps; A = K converted in registers, B = Q (fp16, permuted dims) in
-//     shared memory; each batch of 2 k-steps converted while the previous one runs;
+//     shared memory; each batch of 2 k-steps converted while the previous one runs, each 64 dims'
+//     bytes loaded while the 64 before them are multiplied;
 //   the page's row max: over a warp's 16 tokens by shuffles, over the four warps through shared
 //     memory (a named barrier); P^T = exp2(S^T - max) into shared memory as P (32 rows x 64,
 //     stmatrix with transpose), a second barrier;
@@ -125,12 +126,19 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
     __device__ __forceinline__ void scores(uint32_t page, float (&s)[16]) const {
         const int token = token_of(0);
         const uint64_t q = sw128_k_major_desc(smem_u32(computed_here(st.q)));   // its 36 descriptors not kept live
-        #pragma unroll
-        for (int blk = 0; blk < kTilesK; ++blk) {                   // 64 dims: box blk / 2, bytes 64 (blk % 2)..
+        auto load_k = [&](int blk, uint4 (&k)[2]) {                  // 64 dims: box blk / 2, bytes 64 (blk % 2)..
             const uint32_t box = page + (blk / 2) * kStagedBoxBytes;
-            uint4 k[2];
             #pragma unroll
             for (int h = 0; h < 2; ++h) k[h] = load_shared(swizzled_chunk(box, token + 8 * h, (blk % 2) * 4 + quad));
+        };
+        uint4 k[2], k_next[2];
+        load_k(0, k);
+        #pragma unroll
+        for (int blk = 0; blk < kTilesK; ++blk) {
+            // The next 64 dims' bytes are loaded before this block's WGMMAs (the waits' memory
+            // clobbers keep the compiler from moving loads above them): 3 % at 32 rows.
+            // Loading V ahead the same way spilled (values).
+            if (blk + 1 < kTilesK) load_k(blk + 1, k_next);
             #pragma unroll
             for (int pair = 0; pair < 2; ++pair) {                   // 2 k-steps a batch: fewer fragments live
                 uint32_t a[2][4];
@@ -153,6 +161,8 @@ struct NarrowWgmmaRows : NarrowConsumerBase {
                 cute::warpgroup_commit_batch();
                 cute::warpgroup_wait<1>();                            // the previous batch's fragments are free
             }
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) k[h] = k_next[h];
         }
         cute::warpgroup_wait<0>();
         fence_accumulators(s);
