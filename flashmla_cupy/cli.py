@@ -364,6 +364,8 @@ def cmd_profile(args) -> int:
     out.print()
     for line in report.describe_ceilings(result.ceilings):
         out.print(f"[bold cyan]Ceiling[/] {line}", highlight=False)
+    if result.method and result.method.get("clocks"):
+        out.print(f"[bold cyan]Clocks[/] {result.method['clocks']}", highlight=False)
     # Every target with a record: the measured ones not skipped, and anchors from another run.
     others = list(dict.fromkeys(r["name"] for r in result.records if r["name"] != main_t))
     table, errors = report.results_table(result.records, kind=kind, main=main_t, others=others,

@@ -15,13 +15,15 @@ import json
 import math
 import random
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from flashmla_cupy import baselines, cli, quant, reference
-from flashmla_cupy.profiler import anchors, build, ceilings, env, inputs, report, runner, shapes, targets, timing
+from flashmla_cupy.profiler import (anchors, build, ceilings, clocks, env, inputs, report, runner, shapes, targets,
+                                    timing)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -434,9 +436,11 @@ class FakeSession:
 
     SLOW = ("cupy", "flash_mla")
     stream = "profiler-stream"
+    clock_note = "not sampled (the CPU tests' stand-in)"
 
-    def __init__(self, config):
+    def __init__(self, config, clock_fields=None):
         self.config, self.flush, self.calls = config, None, 0
+        self.clock_fields = clock_fields or {}
 
     def __enter__(self):
         return self
@@ -451,7 +455,7 @@ class FakeSession:
         fn()
         self.calls += 1
         scale = 10.0 if self.current in self.SLOW else 1.0
-        return [scale * x for x in (0.20, 0.21, 0.22, 0.25, 0.19)]
+        return [scale * x for x in (0.20, 0.21, 0.22, 0.25, 0.19)], self.clock_fields
 
     def free(self):
         pass
@@ -517,6 +521,65 @@ def test_run_produces_records_with_every_number():
     main = [r for r in result.records if r["name"] == "flashmla"]
     assert all(r["speedup"] == pytest.approx(10.0) and r["speedup_vs"] == "cupy" for r in main)
     assert not result.interrupted and result.ceilings.copy_gbps == ANCHOR_COPY_GBPS
+
+
+def test_clock_fields_summarize_the_samples():
+    S = clocks.Sample
+    samples = [S(1980, 450.0, 0x0), S(1455, 690.0, 0x4), S(1500, 700.0, 0x4 | 0x1), S(1410, 695.0, 0x80),
+               S(1980, 300.0, 0x1), S(1700, 500.0, 0x20)]
+    f = clocks.clock_fields(samples)
+    assert f == {"sm_clock_mhz": pytest.approx(10025 / 6), "sm_clock_min_mhz": 1410, "power_w": 595.0,
+                 "power_capped": pytest.approx(3 / 6), "thermal_slowdown": pytest.approx(1 / 6), "clock_samples": 6}
+    assert clocks.clock_fields([]) == {}
+    assert (clocks.clock_note("matmul ceiling", f)
+            == "matmul ceiling at SM 1671 MHz (mean of 6 samples), power-capped in 50 % of them")
+    assert clocks.clock_cell({"sm_clock_mhz": 1455.0, "power_capped": 0.9}) == "1455 cap"
+    assert clocks.clock_cell({"sm_clock_mhz": 1980.0, "power_capped": 0.5, "thermal_slowdown": 0.0}) == "1980"
+    assert clocks.clock_cell({"sm_clock_mhz": 1700.0, "power_capped": 0.0, "thermal_slowdown": 0.6}) == "1700 hot"
+    assert clocks.clock_cell({}) == "–"
+
+
+def test_sampling_reads_at_both_ends_and_on_its_thread():
+    class Device:
+        def __init__(self):
+            self.reads = 0
+
+        def read(self):
+            self.reads += 1
+            return clocks.Sample(1980 - self.reads, 600.0, 0x4)
+
+    dev = Device()
+    sampler = clocks.ClockSampler(dev, interval_s=0.001)
+    with sampler.sampling() as run:
+        time.sleep(0.05)
+    assert dev.reads == len(run.samples) >= 5                  # the ends and some on the thread
+    f = run.stats()
+    assert f["clock_samples"] == dev.reads and f["power_capped"] == 1.0 and f["sm_clock_min_mhz"] == 1980 - dev.reads
+
+
+def test_no_nvml_means_no_clocks_and_says_why(monkeypatch):
+    def unavailable(pci_bus_id):
+        raise ImportError("No module named 'pynvml'")
+
+    monkeypatch.setattr(clocks, "_NvmlDevice", unavailable)
+    sampler, note = clocks.ClockSampler.open("0000:18:00.0")
+    assert sampler is None and note == "not sampled (NVML unavailable: ImportError: No module named 'pynvml')"
+
+
+def test_run_records_the_clocks_and_the_table_shows_them():
+    config = runner.RunConfig(targets=["flashmla", "cupy"], baseline="cupy", repeats=5)
+    fields = {"sm_clock_mhz": 1455.0, "sm_clock_min_mhz": 1410, "power_w": 690.0, "power_capped": 1.0,
+              "thermal_slowdown": 0.0, "clock_samples": 40}
+    session = FakeSession(config, clock_fields=fields)
+    result = runner.run(_numpy_mla_workload(session), _small_grid()[:2], config, gpu={}, session=session)
+    assert all(r.items() >= fields.items() for r in result.records)
+    assert result.method["clocks"] == FakeSession.clock_note
+    table, _ = report.results_table(result.records, kind="mla", main="flashmla", others=["cupy"])
+    assert "clock\nMHz" in [c.header for c in table.columns] and list(table.columns[-3].cells) == ["1455 cap"] * 2
+    unsampled = FakeSession(config)
+    records = runner.run(_numpy_mla_workload(unsampled), _small_grid()[:2], config, gpu={}, session=unsampled).records
+    plain, _ = report.results_table(records, kind="mla", main="flashmla", others=["cupy"])
+    assert "clock\nMHz" not in [c.header for c in plain.columns]
 
 
 def test_run_records_a_failing_target_and_goes_on():
@@ -1363,6 +1426,7 @@ def test_profile_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
     assert _cli_with_a_stand_in_gpu(monkeypatch, argv) == 0
     out = capsys.readouterr().out
     assert "Fake H100" in out and "flashmla" in out and "Ceiling" in out and "cos_diff" in out
+    assert f"Clocks {FakeSession.clock_note}" in out
     assert csv_path.read_text().startswith("name,batch,seqlen,head,bw,")
     data = json.loads(json_path.read_text())
     assert len(data["records"]) == 8 and data["environment"]["gpu"]["name"] == "Fake H100"
@@ -1738,3 +1802,9 @@ def test_profile_quick_on_hopper(tmp_path, capsys):
     assert main and all("error" not in r for r in main), main
     assert all(r["check_ok"] for r in main)
     assert rc == 0
+    # NVML's clocks where the machine has it (cuda-bindings 12.9+ or nvidia-ml-py): read, not made up
+    if not data["method"]["clocks"].startswith("not sampled"):
+        assert any(n.startswith("matmul ceiling at SM ") for n in data["ceilings"]["notes"]), data["ceilings"]
+        for r in data["records"]:
+            assert 100 <= r["sm_clock_min_mhz"] <= r["sm_clock_mhz"] <= data["environment"]["gpu"]["sm_clock_max_mhz"]
+            assert r["clock_samples"] >= 2 and 0 < r["power_w"] < 2000 and 0 <= r["power_capped"] <= 1

@@ -15,6 +15,7 @@ FLOPs need at the matmul ceiling, and reports the larger one as the bound.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -195,8 +196,10 @@ def measure_matmul(stream, n: int = 8192, repeats: int = 20, warmup: int = 3,
     raise RuntimeError("; ".join(errors))
 
 
-def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192, matmul_dtype: str = "bf16") -> Ceilings:
-    """Both ceilings; a failure leaves that ceiling ``None`` with the reason in ``notes``."""
+def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192, matmul_dtype: str = "bf16",
+            during_matmul=contextlib.nullcontext) -> Ceilings:
+    """Both ceilings; a failure leaves that ceiling ``None`` with the reason in ``notes``.
+    ``during_matmul()``: a context around the matmul's runs (the clock sampler's)."""
     import cupy
 
     c = Ceilings()
@@ -210,7 +213,8 @@ def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192, matmul_d
         c.notes.append(f"matmul ceiling not measured: {why}")
     else:
         try:
-            c.matmul_tflops, c.matmul_method = measure_matmul(stream, matmul_n, dtype=matmul_dtype)
+            with during_matmul():
+                c.matmul_tflops, c.matmul_method = measure_matmul(stream, matmul_n, dtype=matmul_dtype)
         except Exception as e:  # noqa: BLE001
             c.notes.append(f"matmul ceiling not measured: {e}")
     cupy.get_default_memory_pool().free_all_blocks()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .ceilings import Ceilings
+from .clocks import clock_cell
 from .shapes import PAGE_BLOCK
 
 SEED_COLUMNS = ["name", "batch", "seqlen", "head", "bw"]
@@ -27,6 +28,8 @@ CSV_COLUMNS = SEED_COLUMNS + [
     # rates and roofs
     "tflops", "gbps", "flops", "bytes", "frac_copy_bw", "frac_matmul", "bound", "roof_fraction",
     "t_memory_ms", "t_compute_ms", "speedup", "speedup_vs",
+    # clocks during the timed runs (NVML)
+    "sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped", "thermal_slowdown", "clock_samples",
     # --check
     "cos_diff_out", "max_abs_out", "cos_diff_lse", "max_abs_lse", "check_ok",
     # context
@@ -240,6 +243,9 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
     t.add_column("% of\ncopy", justify="right", no_wrap=True)
     t.add_column("% of\nmatmul", justify="right", no_wrap=True)
     t.add_column("bound\n(% of roof)", no_wrap=True)
+    clocked = any("sm_clock_mhz" in r for r in records)
+    if clocked:
+        t.add_column("clock\nMHz", justify="right", no_wrap=True)
     for o in others:
         t.add_column(f"{o}\n{unit}", justify="right", no_wrap=True)
         t.add_column("speed\nup", justify="right", no_wrap=True)
@@ -251,10 +257,11 @@ def results_table(records: list[dict], *, kind: str, main: str, others: list[str
         where = " ".join(f"{n}={c}" for (n, _), c in zip(shape_cols, cells))
         if m.get("error") or "ms_median" not in m:
             errors.append(f"{main} at {where}: {m.get('error', 'not run')}")
-            cells += ["[red]error[/]", "", "", "", "", "", ""]
+            cells += ["[red]error[/]", "", "", "", "", "", ""] + [""] * clocked
         else:
             cells += [fmt_time(m["ms_median"]), fmt_spread(m), f"{m['tflops']:.0f}", f"{m['gbps']:.0f}",
                       fmt_pct(m.get("frac_copy_bw")), fmt_pct(m.get("frac_matmul")), bound_cell(m)]
+            cells += [clock_cell(m)] * clocked
         for o in others:
             r = group.get(o, {})
             if r.get("error"):

@@ -19,6 +19,7 @@ from . import ceilings as ceil_mod
 from . import shapes as shp
 from .env import NoGPU, _first_line
 from .targets import ATTENTION_TARGETS, MLA_TARGETS, SPARSE_TARGETS, TARGETS, Target
+from .clocks import ClockSampler, clock_note
 from .timing import L2Flush, describe_flush, flush_bytes, summarize, time_cuda
 
 # --check passes under these (FlashMLA's test requires cos_diff < 1e-5 for out and lse; an e4m3 q:
@@ -260,7 +261,8 @@ class CudaSession:
 
     def __init__(self, config: RunConfig, gpu: dict):
         self.config, self.gpu = config, gpu
-        self.stream = self.flush = None
+        self.stream = self.flush = self.clocks = None
+        self.clock_note = "not sampled"
         self._device = None
 
     def __enter__(self):
@@ -271,9 +273,12 @@ class CudaSession:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         if self.config.flush != "none":
             self.flush = L2Flush(self.gpu.get("l2_bytes", 0), self.config.device, self.config.flush)
+        self.clocks, self.clock_note = ClockSampler.open(self._device.pci_bus_id)
         return self
 
     def __exit__(self, *exc):
+        if self.clocks is not None:
+            self.clocks.close()
         if self.flush is not None:
             self.flush.release()
         try:
@@ -286,12 +291,26 @@ class CudaSession:
     def ceilings(self) -> ceil_mod.Ceilings:
         if not self.config.measure_ceilings:
             return ceil_mod.Ceilings(notes=["not measured (--no-ceilings)"])
-        return ceil_mod.measure(self.stream, matmul_dtype=self.config.matmul_dtype)
+        sampling, during = self._sampling()
+        c = ceil_mod.measure(self.stream, matmul_dtype=self.config.matmul_dtype, during_matmul=during)
+        if c.matmul_tflops and sampling:
+            c.notes.append(clock_note("matmul ceiling", sampling.stats()))
+        return c
 
-    def time(self, fn) -> list[float]:
+    def time(self, fn) -> tuple[list[float], dict]:
+        """The run times (ms) and the clock fields of the timed runs (none where not sampled)."""
         c = self.config
-        return time_cuda(fn, stream=self.stream, repeats=c.repeats, warmup=c.warmup, flush=self.flush,
-                         graph=c.graph, budget_s=c.budget_s)
+        sampling, during = self._sampling()
+        times = time_cuda(fn, stream=self.stream, repeats=c.repeats, warmup=c.warmup, flush=self.flush,
+                          graph=c.graph, budget_s=c.budget_s, during_timed_runs=during)
+        return times, sampling.stats() if sampling else {}
+
+    def _sampling(self):
+        """A clock sampling (None where clocks are not sampled) and the context factory around it."""
+        if self.clocks is None:
+            return None, contextlib.nullcontext
+        sampling = self.clocks.sampling()
+        return sampling, lambda: sampling
 
     def free(self) -> None:
         import cupy
@@ -330,7 +349,7 @@ def run(work: Workload, shape_list: list, config: RunConfig, *, gpu: dict,
         on_progress("measuring the ceilings (copy bandwidth, matmul)")
         c = dev.ceilings()
         c.notes.extend(work.ceiling_notes)
-        method = method_description(config, gpu.get("l2_bytes", 0), work.kind)
+        method = {**method_description(config, gpu.get("l2_bytes", 0), work.kind), "clocks": dev.clock_note}
         try:
             for i, shape in enumerate(shape_list):
                 on_progress(f"{shape.label()}: inputs")
@@ -386,8 +405,10 @@ def _measure_target(t: Target, inp, ref, work: Workload, dev, c: ceil_mod.Ceilin
             rec.update(work.compare(prep.result, ref))
         prep.result = None
         with prep.on_stream(dev.stream) if prep.on_stream else contextlib.nullcontext():
-            stats = summarize(dev.time(prep.run)).as_dict()
+            times, clock_fields = dev.time(prep.run)
+        stats = summarize(times).as_dict()
         rec.update(stats)
+        rec.update(clock_fields)
         rec.update(_rate_fields(stats["ms_median"], flops, nbytes, c))
         if prep.notes:
             rec["notes"] = "; ".join(prep.notes)

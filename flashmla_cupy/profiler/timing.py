@@ -16,6 +16,7 @@ The median is the headline; the spread is p10–p90 (and the interquartile range
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -163,12 +164,14 @@ def capture_graph(fn: Callable[[], object], stream):
 
 def time_cuda(fn: Callable[[], object], *, stream, repeats: int = 100, warmup: int = 10,
               flush: L2Flush | None = None, graph: bool = False,
-              budget_s: float = 3.0) -> list[float]:
+              budget_s: float = 3.0, during_timed_runs=contextlib.nullcontext) -> list[float]:
     """Run times of ``fn()`` in milliseconds, measured with CUDA events on ``stream``.
 
     ``fn`` is called under ``with stream`` so that code
     launching on CuPy's current stream launches there. The number of runs is ``repeats``,
     reduced for slow calls so that timing one target takes about ``budget_s`` (at least 10 runs).
+    ``during_timed_runs()`` is a context entered from the first timed run's launch to the last
+    one's end (the clock sampler's).
     """
     import cupy
 
@@ -200,13 +203,14 @@ def time_cuda(fn: Callable[[], object], *, stream, repeats: int = 100, warmup: i
 
         starts = [cupy.cuda.Event() for _ in range(n)]
         ends = [cupy.cuda.Event() for _ in range(n)]
-        for i in range(n):
-            if flush is not None:
-                flush.flush(stream)
-            starts[i].record(stream)
-            call()
-            ends[i].record(stream)
-        ends[-1].synchronize()
+        with during_timed_runs():
+            for i in range(n):
+                if flush is not None:
+                    flush.flush(stream)
+                starts[i].record(stream)
+                call()
+                ends[i].record(stream)
+            ends[-1].synchronize()
     del keep  # outputs (and the graph) lived until every run finished
     return [cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends)]
 
