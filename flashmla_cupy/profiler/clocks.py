@@ -77,7 +77,7 @@ class ClockSampler:
             return None, f"not sampled (NVML unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         return cls(dev), (f"SM clock, power and clock-event reasons sampled every {INTERVAL_S * 1000:g} ms "
                           f"during each target's timed runs (NVML via {dev.backend}); clock: their mean SM "
-                          f"MHz, \"cap\" where the power limit held the clock down in most samples")
+                          f"MHz, \"cap\" where NVML reported the power cap in most samples")
 
     def sampling(self) -> _Sampling:
         return _Sampling(self.device, self.interval_s)
