@@ -5,7 +5,7 @@ Why: a GPU that runs compute-bound calls back to back can reach its power limit,
 driver lowers the SM clock (on a lent H200 at 700 W, b 128, s_k 16384, h_q 128, s_q 2: 1.3-1.9 GHz
 instead of 1.98, and the call ~20 % slower than at full clock; docs/perf-notes.md §32). Such a
 row is bound by power, not by the copy or matmul ceiling, and two kernels compare there by their
-work per joule.
+work per joule at the clock the cap sets.
 
 NVML comes from cuda-bindings (``cuda.bindings.nvml``, 12.9 and newer) or from nvidia-ml-py
 (``pynvml``); without either, rows carry no clock and the profiler's Clocks line says why.
