@@ -566,6 +566,36 @@ def test_no_nvml_means_no_clocks_and_says_why(monkeypatch):
     assert sampler is None and note == "not sampled (NVML unavailable: ImportError: No module named 'pynvml')"
 
 
+def test_nvml_through_nvidia_ml_py_where_cuda_bindings_has_none(monkeypatch):
+    """The pynvml path (the lent GPUs' cuda-bindings has NVML, so only here is it run): the
+    environment's driver version and clocks, and the sampler's readings, by PCI bus id."""
+    import types
+
+    import cuda.bindings
+
+    calls = []
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=0, NVML_CLOCK_MEM=2,
+        nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlSystemGetDriverVersion=lambda: b"580.159.04",
+        nvmlDeviceGetHandleByPciBusId=lambda bus: ("handle", bus),
+        nvmlDeviceGetClockInfo=lambda h, c: {0: 1455, 2: 3201}[c] if h == ("handle", "0000:18:00.0") else None,
+        nvmlDeviceGetMaxClockInfo=lambda h, c: {0: 1980, 2: 3201}[c],
+        nvmlDeviceGetPowerUsage=lambda h: 690_500,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x4)
+    monkeypatch.delattr(cuda.bindings, "nvml", raising=False)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvml", None)     # the import fails
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert env._nvml_driver() == "580.159.04"
+    assert env._nvml_clocks("0000:18:00.0") == {"sm_clock_mhz": 1455, "sm_clock_max_mhz": 1980,
+                                                "mem_clock_mhz": 3201, "mem_clock_max_mhz": 3201}
+    sampler, note = clocks.ClockSampler.open("0000:18:00.0")
+    assert "NVML via pynvml" in note
+    assert sampler.device.read() == clocks.Sample(1455, 690.5, 0x4)
+    sampler.close()
+    assert calls == ["init", "shutdown"] * 3
+
+
 def test_run_records_the_clocks_and_the_table_shows_them():
     config = runner.RunConfig(targets=["flashmla", "cupy"], baseline="cupy", repeats=5)
     fields = {"sm_clock_mhz": 1455.0, "sm_clock_min_mhz": 1410, "power_w": 690.0, "power_capped": 1.0,

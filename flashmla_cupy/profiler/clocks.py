@@ -7,14 +7,16 @@ instead of 1.98, and the call ~20 % slower than at full clock; docs/perf-notes.m
 row is bound by power, not by the copy or matmul ceiling, and two kernels compare there by their
 work per joule at the clock the cap sets.
 
-NVML comes from cuda-bindings (``cuda.bindings.nvml``, 12.9 and newer) or from nvidia-ml-py
-(``pynvml``); without either, rows carry no clock and the profiler's Clocks line says why.
+NVML comes from cuda-bindings or nvidia-ml-py (nvml.py); without either, rows carry no clock and
+the profiler's Clocks line says why.
 """
 from __future__ import annotations
 
 import statistics
 import threading
 from dataclasses import dataclass
+
+from .nvml import SM, Nvml
 
 INTERVAL_S = 0.002
 
@@ -31,33 +33,19 @@ class Sample:
 
 
 class _NvmlDevice:
-    """One device's readings through cuda.bindings.nvml or pynvml (whichever imports first)."""
+    """One device's readings (nvml.py: cuda.bindings.nvml or pynvml)."""
 
     def __init__(self, pci_bus_id: str):
-        try:
-            from cuda.bindings import nvml
-            nvml.init_v2()
-            self._shutdown = nvml.shutdown
-            h = nvml.device_get_handle_by_pci_bus_id_v2(pci_bus_id)
-            sm = nvml.ClockType.CLOCK_SM
-            self._read = lambda: Sample(nvml.device_get_clock_info(h, sm), nvml.device_get_power_usage(h) / 1000,
-                                        nvml.device_get_current_clocks_event_reasons(h))
-            self.backend = "cuda.bindings.nvml"
-        except (ImportError, AttributeError):
-            import pynvml
-            pynvml.nvmlInit()
-            self._shutdown = pynvml.nvmlShutdown
-            h = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
-            self._read = lambda: Sample(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                                        pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
-                                        pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
-            self.backend = "pynvml"
+        self.nvml = Nvml()
+        self.backend = self.nvml.backend
+        self._handle = self.nvml.handle(pci_bus_id)
 
     def read(self) -> Sample:
-        return self._read()
+        n, h = self.nvml, self._handle
+        return Sample(n.clock(h, SM), n.power_mw(h) / 1000, n.event_reasons(h))
 
     def close(self) -> None:
-        self._shutdown()
+        self.nvml.close()
 
 
 class ClockSampler:

@@ -9,6 +9,8 @@ import importlib.metadata
 import platform
 import sys
 
+from .nvml import MEM, SM, Nvml
+
 
 class NoGPU(RuntimeError):
     """No usable CUDA device; the message is one line, fit for the command line."""
@@ -100,32 +102,19 @@ def versions() -> dict:
 
 def _nvml_driver() -> str | None:
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else str(v)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - nvidia-ml-py is optional
+        with Nvml() as n:
+            return n.driver_version()
+    except Exception:  # noqa: BLE001 - NVML is optional
         return None
 
 
-def _nvml_clocks(device_id: int) -> dict:
-    """Current and maximum SM / memory clocks in MHz from NVML, where nvidia-ml-py is installed."""
+def _nvml_clocks(pci_bus_id: str) -> dict:
+    """Current and maximum SM / memory clocks in MHz from NVML, where it is available."""
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(device_id)
-            return {
-                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
-                "mem_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
-            }
-        finally:
-            pynvml.nvmlShutdown()
+        with Nvml() as n:
+            h = n.handle(pci_bus_id)
+            return {"sm_clock_mhz": n.clock(h, SM), "sm_clock_max_mhz": n.max_clock(h, SM),
+                    "mem_clock_mhz": n.clock(h, MEM), "mem_clock_max_mhz": n.max_clock(h, MEM)}
     except Exception:  # noqa: BLE001
         return {}
 
@@ -156,7 +145,7 @@ def device_info(device_id: int = 0) -> dict:
         "mem_clock_max_mhz": attr(rt.cudaDevAttrMemoryClockRate) // 1000 or None,
         "memory_bus_bits": attr(rt.cudaDevAttrGlobalMemoryBusWidth) or None,
     }
-    info.update(_nvml_clocks(device_id))
+    info.update(_nvml_clocks(cupy.cuda.Device(device_id).pci_bus_id))
     try:
         free, total = rt.memGetInfo()
         info["memory_free_bytes"] = int(free)
