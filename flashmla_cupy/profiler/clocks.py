@@ -16,6 +16,7 @@ import statistics
 import threading
 from dataclasses import dataclass
 
+from .env import _first_line
 from .nvml import SM, Nvml
 
 INTERVAL_S = 0.002
@@ -62,7 +63,7 @@ class ClockSampler:
             dev = _NvmlDevice(pci_bus_id)
             dev.read()
         except Exception as e:  # noqa: BLE001 - no NVML, no permission, an old binding: no clocks
-            return None, f"not sampled (NVML unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            return None, f"not sampled (NVML unavailable: {_first_line(e)})"
         return cls(dev), (f"SM clock, power and clock-event reasons sampled every {INTERVAL_S * 1000:g} ms "
                           f"during each target's timed runs (NVML via {dev.backend}); clock: their mean SM "
                           f"MHz, \"cap\" where NVML reported the power cap in most samples")

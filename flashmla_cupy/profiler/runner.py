@@ -17,9 +17,9 @@ import numpy as np
 from . import anchors
 from . import ceilings as ceil_mod
 from . import shapes as shp
+from .clocks import ClockSampler, clock_note
 from .env import NoGPU, _first_line
 from .targets import ATTENTION_TARGETS, MLA_TARGETS, SPARSE_TARGETS, TARGETS, Target
-from .clocks import ClockSampler, clock_note
 from .timing import L2Flush, describe_flush, flush_bytes, summarize, time_cuda
 
 # --check passes under these (FlashMLA's test requires cos_diff < 1e-5 for out and lse; an e4m3 q:
