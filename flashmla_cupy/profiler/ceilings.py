@@ -197,9 +197,9 @@ def measure_matmul(stream, n: int = 8192, repeats: int = 20, warmup: int = 3,
 
 
 def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192, matmul_dtype: str = "bf16",
-            during_matmul=contextlib.nullcontext) -> Ceilings:
+            during_matmul=None) -> Ceilings:
     """Both ceilings; a failure leaves that ceiling ``None`` with the reason in ``notes``.
-    ``during_matmul()``: a context around the matmul's runs (the clock sampler's)."""
+    ``during_matmul``: a context (the clock sampler's) held around the matmul's runs."""
     import cupy
 
     c = Ceilings()
@@ -213,7 +213,7 @@ def measure(stream, *, copy_bytes: int = 1 << 30, matmul_n: int = 8192, matmul_d
         c.notes.append(f"matmul ceiling not measured: {why}")
     else:
         try:
-            with during_matmul():
+            with during_matmul or contextlib.nullcontext():
                 c.matmul_tflops, c.matmul_method = measure_matmul(stream, matmul_n, dtype=matmul_dtype)
         except Exception as e:  # noqa: BLE001
             c.notes.append(f"matmul ceiling not measured: {e}")

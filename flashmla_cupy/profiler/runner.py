@@ -291,8 +291,8 @@ class CudaSession:
     def ceilings(self) -> ceil_mod.Ceilings:
         if not self.config.measure_ceilings:
             return ceil_mod.Ceilings(notes=["not measured (--no-ceilings)"])
-        sampling, during = self._sampling()
-        c = ceil_mod.measure(self.stream, matmul_dtype=self.config.matmul_dtype, during_matmul=during)
+        sampling = self.clocks.sampling() if self.clocks else None
+        c = ceil_mod.measure(self.stream, matmul_dtype=self.config.matmul_dtype, during_matmul=sampling)
         if c.matmul_tflops and sampling:
             c.notes.append(clock_note("matmul ceiling", sampling.stats()))
         return c
@@ -300,17 +300,10 @@ class CudaSession:
     def time(self, fn) -> tuple[list[float], dict]:
         """The run times (ms) and the clock fields of the timed runs (none where not sampled)."""
         c = self.config
-        sampling, during = self._sampling()
+        sampling = self.clocks.sampling() if self.clocks else None
         times = time_cuda(fn, stream=self.stream, repeats=c.repeats, warmup=c.warmup, flush=self.flush,
-                          graph=c.graph, budget_s=c.budget_s, during_timed_runs=during)
+                          graph=c.graph, budget_s=c.budget_s, during_timed_runs=sampling)
         return times, sampling.stats() if sampling else {}
-
-    def _sampling(self):
-        """A clock sampling (None where clocks are not sampled) and the context factory around it."""
-        if self.clocks is None:
-            return None, contextlib.nullcontext
-        sampling = self.clocks.sampling()
-        return sampling, lambda: sampling
 
     def free(self) -> None:
         import cupy

@@ -164,14 +164,14 @@ def capture_graph(fn: Callable[[], object], stream):
 
 def time_cuda(fn: Callable[[], object], *, stream, repeats: int = 100, warmup: int = 10,
               flush: L2Flush | None = None, graph: bool = False,
-              budget_s: float = 3.0, during_timed_runs=contextlib.nullcontext) -> list[float]:
+              budget_s: float = 3.0, during_timed_runs=None) -> list[float]:
     """Run times of ``fn()`` in milliseconds, measured with CUDA events on ``stream``.
 
     ``fn`` is called under ``with stream`` so that code
     launching on CuPy's current stream launches there. The number of runs is ``repeats``,
     reduced for slow calls so that timing one target takes about ``budget_s`` (at least 10 runs).
-    ``during_timed_runs()`` is a context entered from the first timed run's launch to the last
-    one's end (the clock sampler's).
+    ``during_timed_runs``: a context (the clock sampler's) held from the first timed run's launch to
+    the last one's end.
     """
     import cupy
 
@@ -203,7 +203,7 @@ def time_cuda(fn: Callable[[], object], *, stream, repeats: int = 100, warmup: i
 
         starts = [cupy.cuda.Event() for _ in range(n)]
         ends = [cupy.cuda.Event() for _ in range(n)]
-        with during_timed_runs():
+        with during_timed_runs or contextlib.nullcontext():
             for i in range(n):
                 if flush is not None:
                     flush.flush(stream)
