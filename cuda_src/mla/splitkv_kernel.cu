@@ -170,6 +170,10 @@ struct SplitKVCta {
         }
     }
 
+    // A page feeds this CTA alone (a single m-block: h_q * s_q / h_kv <= 64): the loads, not the
+    // tensor cores, bound the kernel, and refills go out as soon as a buffer is free.
+    __device__ __forceinline__ bool loads_bound() const { return gridDim.x == 1; }
+
     // Issued by each thread that loads a piece: tiles [kFirst, kLast) of its piece of page `page`
     // (cache block `block`) into kv[buf]. Whoever consumes a tile announces the whole tile's
     // bytes on its barrier (qk_tiles).
@@ -318,10 +322,14 @@ struct SplitKVCta {
         warpgroup_wait<0>();
         if constexpr (!kLast0 && !kLast1) release_transposed_v(vt, page);
 
+        // V0_L consumed: page + 2's tiles 0-3. Where loads bound the kernel, at once; otherwise
+        // once warpgroup 1 has page + 1's scale (FlashMLA's place, faster there). (The FP8 cache
+        // stages the whole page here: after the barrier.)
+        constexpr bool kRefillV0l = !kLast0 && !kLast1 && !T::kE4m3Q;
+        const bool refill_v0l_first = T::kCache == KVCache::k16Bit && loads_bound();
+        if (kRefillV0l && refill_v0l_first && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
-        if constexpr (!kLast0 && !kLast1 && !T::kE4m3Q) {
-            if (loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);   // V0_L consumed
-        }
+        if (kRefillV0l && !refill_v0l_first && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
         float scale1[2];
         read_scale1(st.scale1, idx, scale1);
         wg0_rescale_p(s, pb, scale1);
@@ -343,9 +351,18 @@ struct SplitKVCta {
             pv_smem_p<T, 0>(p1_buf(), v1, o, idx);              // O_L += P1 V1_L
         }
         if constexpr (!kLast0 && !kLast1 && !T::kE4m3Q) {
+            // V1_L is refilled once P1 V1_L is done (page + 3's tiles 0-3). Where loads bound the
+            // kernel, before S0 of page + 2 waits for that page's tiles, still in flight; otherwise
+            // after S0's first tiles are issued (refilling first was 1-6 % slower there).
+            const bool refill_v1l = page + 3 < end_page;
+            const bool refill_first = loads_bound();
+            if (refill_v1l && refill_first) {
+                warpgroup_wait<0>();                             // P1 V1_L done: V1_L free
+                if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
+            }
             // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
-            if (page + 3 < end_page) {
+            if (refill_v1l && !refill_first) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
                 if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
