@@ -8,7 +8,8 @@
 //   64 x 64 tiles, each with its own mbarrier so that S = Q K^T starts on the first tile;
 //   warpgroup 0: S0 = Q K0^T, softmax, O_L += P0 V0_L, then O_L += P1 V1_L (P1 from smem);
 //   warpgroup 1: S1 = Q K1^T, softmax, O_R += P1 V1_R, then O_R += P0 V0_R (P0 from smem);
-//   the next pair's tiles are requested as soon as the tile they replace has been consumed.
+//   the next pair's tiles are requested once the tile they replace has been consumed: at once
+//   where the pages feed this CTA alone (loads_bound), otherwise at FlashMLA's points.
 //
 // A page here is kBlockN = 64 tokens of the request. The cache's pages (page_block_size, a power
 // of two) fill a page buffer as 64 / page_block_size whole pages, or as a 64-token slice of a
