@@ -323,11 +323,11 @@ struct SplitKVCta {
         warpgroup_wait<0>();
         if constexpr (!kLast0 && !kLast1) release_transposed_v(vt, page);
 
-        // V0_L consumed: page + 2's tiles 0-3. Where loads bound the kernel, at once; otherwise
-        // once warpgroup 1 has page + 1's scale (FlashMLA's place, faster there). (The FP8 cache
-        // stages the whole page here: after the barrier.)
+        // V0_L consumed: page + 2's tiles 0-3 (the FP8 cache: its whole page, staged where tiles
+        // 0-3 and 8 are, free too). Where loads bound the kernel, at once; otherwise once
+        // warpgroup 1 has page + 1's scale (FlashMLA's place, faster there).
         constexpr bool kRefillV0l = !kLast0 && !kLast1 && !T::kE4m3Q;
-        const bool refill_v0l_first = T::kCache == KVCache::k16Bit && loads_bound();
+        const bool refill_v0l_first = loads_bound();
         if (kRefillV0l && refill_v0l_first && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
         if (kRefillV0l && !refill_v0l_first && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
