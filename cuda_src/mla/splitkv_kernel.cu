@@ -327,10 +327,9 @@ struct SplitKVCta {
         // 0-3 and 8 are, free too). Where loads bound the kernel, at once; otherwise once
         // warpgroup 1 has page + 1's scale (FlashMLA's place, faster there).
         constexpr bool kRefillV0l = !kLast0 && !kLast1 && !T::kE4m3Q;
-        const bool refill_v0l_first = loads_bound();
-        if (kRefillV0l && refill_v0l_first && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
+        if (kRefillV0l && loads_bound() && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
-        if (kRefillV0l && !refill_v0l_first && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
+        if (kRefillV0l && !loads_bound() && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
         float scale1[2];
         read_scale1(st.scale1, idx, scale1);
         wg0_rescale_p(s, pb, scale1);
@@ -356,14 +355,13 @@ struct SplitKVCta {
             // kernel, before S0 of page + 2 waits for that page's tiles, still in flight; otherwise
             // after S0's first tiles are issued (refilling first was 1-6 % slower there).
             const bool refill_v1l = page + 3 < end_page;
-            const bool refill_first = loads_bound();
-            if (refill_v1l && refill_first) {
+            if (refill_v1l && loads_bound()) {
                 warpgroup_wait<0>();                             // P1 V1_L done: V1_L free
                 if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
             // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
-            if (refill_v1l && !refill_first) {
+            if (refill_v1l && !loads_bound()) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
                 if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
             }
