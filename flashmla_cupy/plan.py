@@ -296,8 +296,8 @@ class CallPlan(LaunchPlan):
         else:
             splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
             splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag))
-            # FP8: a warpgroup more, which expands the staged pages (fp8_expand.cuh)
-            threads = SPLITKV_THREADS + (PRODUCER_THREADS if a.fp8_cache else 0)
+            # a warpgroup more: the 16-bit cache's loader warps, the FP8 cache's expander (fp8_expand.cuh)
+            threads = SPLITKV_THREADS + PRODUCER_THREADS
             grid, smem = (-(-a.q_rows // BLOCK_M), a.h_kv, a.num_sm_parts), programs.SPLITKV_SMEM_BYTES
         self.splitkv = splitkv.prepare(grid, (threads, 1, 1), SplitKVParams, smem=smem, stream=self.stream_ptr,
                                        pdl=True)

@@ -24,7 +24,7 @@ def _splitkv_smem_bytes() -> int:
     tile = constants.BLOCK_M * constants.TMA_BOX * 2
     tiles_k = constants.HEAD_DIM_K // constants.TMA_BOX
     size = (3 * tiles_k * tile + tile + 5 * constants.BLOCK_M * 4 + 2 * 4 + 2 * 8
-            + (2 * tiles_k + 3 + 2 + 1) * 8)
+            + (2 * tiles_k + 3 + 2 + 1 + 4 + 2) * 8)
     return -(-size // 1024) * 1024
 
 

@@ -117,16 +117,21 @@ struct SplitKVCta {
     // thread of the loading warpgroup whose piece() is below 64 >> piece_shift reads that piece's
     // block id ahead (piece_block_id) and issues its boxes (load_page_tiles). Consecutive pieces
     // go to different warps, so that small pages spread their TMA issue over all four.
+    // (The 16-bit cache's loader warps: a lane loads pieces lane and lane + 32, run_loads.)
     __device__ __forceinline__ int piece() const { return idx / 32 + 4 * (idx % 32); }
-    __device__ __forceinline__ bool loads_piece() const { return piece() < (kBlockN >> p.piece_shift); }
+    __device__ __forceinline__ bool is_piece(int piece) const { return piece < (kBlockN >> p.piece_shift); }
+    __device__ __forceinline__ bool loads_piece() const { return is_piece(piece()); }
 
-    // The cache block of this thread's piece of page `page` of request `request` (`seqlen`
-    // tokens). A piece wholly past the request gets num_blocks: TMA fills a box outside the
-    // cache with zeros and reads nothing (its bytes still count on the tile's barrier).
-    __device__ __forceinline__ int piece_block_id(const int* table, int request, int seqlen, int page) const {
-        const int token = page * kBlockN + (piece() << p.piece_shift);
+    // The cache block of piece `piece` of page `page` of request `request` (`seqlen` tokens). A
+    // piece wholly past the request gets num_blocks: TMA fills a box outside the cache with zeros
+    // and reads nothing (its bytes still count on the tile's barrier).
+    __device__ __forceinline__ int piece_block_id(const int* table, int request, int seqlen, int page, int piece) const {
+        const int token = page * kBlockN + (piece << p.piece_shift);
         if (token >= seqlen) return p.num_blocks;
         return block_id(table, request, token >> p.page_shift);
+    }
+    __device__ __forceinline__ int piece_block_id(const int* table, int request, int seqlen, int page) const {
+        return piece_block_id(table, request, seqlen, page, piece());
     }
     // Warpgroup 1's P: Q's tile 8 (16-bit P; that tile of Q is kept in registers), or an e4m3 P
     // after warpgroup 0's in p0 (an e4m3 Q's buffer holds a V^T buffer there).
@@ -183,8 +188,8 @@ struct SplitKVCta {
     // piece's thread announces the page's bytes, so the page is in when they are, however far
     // behind the expander is (it held an e4m3 q's QK^T back by a transposed page).
     template <int kFirst, int kLast>
-    __device__ __forceinline__ void load_page_tiles(int buf, int page, int block) const {
-        const int first_row = piece() << p.piece_shift;                   // of the page buffer
+    __device__ __forceinline__ void load_page_tiles(int buf, int page, int block, int piece) const {
+        const int first_row = piece << p.piece_shift;                     // of the page buffer
         const int cache_row = (page * kBlockN + first_row) & (p.page_block_size - 1);
         if constexpr (T::kCache == KVCache::kFp8) {
             if constexpr (kFirst == 0) {
@@ -208,16 +213,29 @@ struct SplitKVCta {
         }
     }
 
-    // Issued by the threads that load pieces when request `req` may start loading: its first
-    // page into kv[0] and the second into kv[1] (tiles 4-8 first: warpgroup 1 consumes them first).
-    __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r) const {
+    // Issued for piece `piece` when request `req` may start loading: its first page into kv[0]
+    // and the second into kv[1] (tiles 4-8 first: warpgroup 1 consumes them first).
+    __device__ __forceinline__ void load_first_pages(int req, const RequestSpan& r, int piece) const {
         if (r.first_page >= r.end_page) return;
         const int* table = p.block_table + req * p.block_table_stride;
-        load_page_tiles<0, kTilesK>(0, r.first_page, piece_block_id(table, req, r.seqlen, r.first_page));
+        load_page_tiles<0, kTilesK>(0, r.first_page, piece_block_id(table, req, r.seqlen, r.first_page, piece), piece);
         if (r.first_page + 1 < r.end_page) {
-            const int next = piece_block_id(table, req, r.seqlen, r.first_page + 1);
-            load_page_tiles<4, kTilesK>(1, r.first_page + 1, next);
-            load_page_tiles<0, 4>(1, r.first_page + 1, next);
+            const int next = piece_block_id(table, req, r.seqlen, r.first_page + 1, piece);
+            load_page_tiles<4, kTilesK>(1, r.first_page + 1, next, piece);
+            load_page_tiles<0, 4>(1, r.first_page + 1, next, piece);
+        }
+    }
+
+    // Tiles [kFirst, kLast) of page buffer `buf` are free here (the WGMMAs that read them are
+    // done): the 16-bit cache's loader warps refill them with page `page` once this warpgroup's
+    // first thread announces it (`which`); the FP8 cache's consumers stage the page themselves
+    // (`block`: their piece's cache block).
+    template <int kFirst, int kLast>
+    __device__ __forceinline__ void refill(LoaderRefill which, int buf, int page, int block) const {
+        if constexpr (T::kLoaderWarps) {
+            if (idx == 0) mbarrier_arrive(smem_u32(&st.bar_refill[int(which)]));
+        } else if (loads_piece()) {
+            load_page_tiles<kFirst, kLast>(buf, page, block, piece());
         }
     }
 
@@ -227,7 +245,76 @@ struct SplitKVCta {
         if constexpr (T::kCache == KVCache::kFp8) {
             if (idx % 32 == 0) mbarrier_arrive(smem_u32(&st.bar_free[buf]));
         } else {
-            if (loads_piece()) load_page_tiles<4, kTilesK>(buf, page, block);
+            refill<4, kTilesK>(buf ? LoaderRefill::kV1Right : LoaderRefill::kV0Right, buf, page, block);
+        }
+    }
+
+    // The 16-bit cache's loads, issued by two warps of the third warpgroup (threads 256-319), so
+    // that the consumers' warps never spend their time on TMA issue: warp 0 loads Q, each
+    // request's first pages and the refills warpgroup 0 announces (V0_L, V1_L), warp 1 those of
+    // warpgroup 1 (V1_R, V0_R), each in its warpgroup's order; a lane loads pieces lane and
+    // lane + 32. Block ids are read before each wait, so that their latency overlaps it.
+    __device__ __forceinline__ void run_loads(int begin_req, const SchedRow& row) const {
+        const int warp = idx / 32, lane = idx % 32;
+        uint32_t refill_phases = 0;                      // bit i: bar_refill[i]'s
+        auto wait_refill = [&](LoaderRefill which) {
+            const int i = int(which);
+            mbarrier_wait(smem_u32(&st.bar_refill[i]), (refill_phases >> i) & 1);
+            refill_phases ^= 1u << i;
+        };
+        #pragma unroll 1
+        for (int req = begin_req; req <= row.end_req; ++req) {
+            const RequestSpan span = request_span<T>(p, m_block, req, row.range);
+            const int* table = p.block_table + req * p.block_table_stride;
+            // Q and the page buffers are free once the consumers are past the request before.
+            if (req > begin_req) mbarrier_wait(smem_u32(&st.bar_next_request), (req - begin_req - 1) & 1);
+            if (warp == 0) {
+                if (lane == 0) load_q(req);
+                CUTE_UNROLL
+                for (int k = 0; k < 2; ++k) {
+                    if (is_piece(lane + 32 * k)) load_first_pages(req, span, lane + 32 * k);
+                }
+            }
+            #pragma unroll 1
+            for (int page = span.first_page; page + 2 < span.end_page; page += 2) {
+                const bool pair_follows = page + 3 < span.end_page;
+                int id2[2], id3[2];
+                CUTE_UNROLL
+                for (int k = 0; k < 2; ++k) {
+                    const int pc = lane + 32 * k;
+                    id2[k] = is_piece(pc) ? piece_block_id(table, req, span.seqlen, page + 2, pc) : 0;
+                    id3[k] = is_piece(pc) && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, pc) : 0;
+                }
+                if (warp == 0) {
+                    wait_refill(LoaderRefill::kV0Left);
+                    CUTE_UNROLL
+                    for (int k = 0; k < 2; ++k) {
+                        if (is_piece(lane + 32 * k)) load_page_tiles<0, 4>(0, page + 2, id2[k], lane + 32 * k);
+                    }
+                    if (pair_follows) {
+                        wait_refill(LoaderRefill::kV1Left);
+                        CUTE_UNROLL
+                        for (int k = 0; k < 2; ++k) {
+                            if (is_piece(lane + 32 * k)) load_page_tiles<0, 4>(1, page + 3, id3[k], lane + 32 * k);
+                        }
+                    }
+                } else {
+                    if (pair_follows) {
+                        wait_refill(LoaderRefill::kV1Right);
+                        CUTE_UNROLL
+                        for (int k = 0; k < 2; ++k) {
+                            if (is_piece(lane + 32 * k)) load_page_tiles<4, kTilesK>(1, page + 3, id3[k], lane + 32 * k);
+                        }
+                    }
+                    wait_refill(LoaderRefill::kV0Right);
+                    CUTE_UNROLL
+                    for (int k = 0; k < 2; ++k) {
+                        if (is_piece(lane + 32 * k)) load_page_tiles<4, kTilesK>(0, page + 2, id2[k], lane + 32 * k);
+                    }
+                }
+            }
+            // The bad-id flags of this request are set (block_id): the consumers may read them.
+            if (lane == 0) mbarrier_arrive(smem_u32(&st.bar_loads_issued));
         }
     }
 
@@ -260,7 +347,7 @@ struct SplitKVCta {
         const uint32_t phase = ((v_phases >> vt) & 1) ^ 1;
         mbarrier_wait(bar, phase);
         mbarrier_wait(bar + sizeof(uint64_t), phase);
-        load_page_tiles<0, 4>(buf, page, block);
+        load_page_tiles<0, 4>(buf, page, block, piece());
     }
 
     // An e4m3 q: this warpgroup's P V is done with its half of V^T buffer `vt`, whose page is
@@ -307,7 +394,7 @@ struct SplitKVCta {
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
         // instead of delaying the TMA requests that need them.
         int next_id0 = 0, next_id1 = 0;
-        if constexpr (!kLast0 && !kLast1) {
+        if constexpr (!kLast0 && !kLast1 && !T::kLoaderWarps) {
             if (loads_piece()) {
                 next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
                 if (!T::kE4m3Q && page + 3 < end_page) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
@@ -327,9 +414,9 @@ struct SplitKVCta {
         // 0-3 and 8 are, free too). Where loads bound the kernel, at once; otherwise once
         // warpgroup 1 has page + 1's scale (FlashMLA's place, faster there).
         constexpr bool kRefillV0l = !kLast0 && !kLast1 && !T::kE4m3Q;
-        if (kRefillV0l && loads_bound() && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
+        if (kRefillV0l && loads_bound()) refill<0, 4>(LoaderRefill::kV0Left, 0, page + 2, next_id0);
         named_barrier_sync(int(WgBarrier::kScale1Ready), 256);
-        if (kRefillV0l && !loads_bound() && loads_piece()) load_page_tiles<0, 4>(0, page + 2, next_id0);
+        if (kRefillV0l && !loads_bound()) refill<0, 4>(LoaderRefill::kV0Left, 0, page + 2, next_id0);
         float scale1[2];
         read_scale1(st.scale1, idx, scale1);
         wg0_rescale_p(s, pb, scale1);
@@ -357,13 +444,13 @@ struct SplitKVCta {
             const bool refill_v1l = page + 3 < end_page;
             if (refill_v1l && loads_bound()) {
                 warpgroup_wait<0>();                             // P1 V1_L done: V1_L free
-                if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
+                refill<0, 4>(LoaderRefill::kV1Left, 1, page + 3, next_id1);
             }
             // S0 of page + 2: its tiles 0-3 were requested first, so start with them (FP8: 8-5).
             qk_tiles<T, 0, 4, true>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             if (refill_v1l && !loads_bound()) {
                 warpgroup_wait<4>();                             // P1 V1_L done: V1_L free
-                if (loads_piece()) load_page_tiles<0, 4>(1, page + 3, next_id1);
+                refill<0, 4>(LoaderRefill::kV1Left, 1, page + 3, next_id1);
             }
             qk_tiles<T, 4, kTilesK - 4, false>(st.q, k0, bar_kv0, phase0, q8, s, idx);
             phase0 ^= 1;
@@ -386,7 +473,7 @@ struct SplitKVCta {
         const int first_token = (page + 1) * kBlockN;
         Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
-        if constexpr (!kLast0 && !kLast1) {
+        if constexpr (!kLast0 && !kLast1 && !T::kLoaderWarps) {
             if (loads_piece()) {
                 next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
                 if constexpr (!kLast2) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
@@ -524,10 +611,12 @@ struct SplitKVCta {
         uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
         // Which bad_request flag is this request's: the loads run one request ahead (req & 1).
         // (Sparse requests are never bad.)
-        if (threadIdx.x == 0) load_q(begin_req);
-        if constexpr (T::kSeesaw) {
-            if (wg == 0 && loads_piece()) {
-                load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, schedule(row).range));
+        if constexpr (!T::kLoaderWarps) {
+            if (threadIdx.x == 0) load_q(begin_req);
+            if constexpr (T::kSeesaw) {
+                if (wg == 0 && loads_piece()) {
+                    load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, schedule(row).range), piece());
+                }
             }
         }
         // The FP8 caches' scale multiplies the scores (here) and O (output_factors); an e4m3 q's, the scores.
@@ -589,12 +678,19 @@ struct SplitKVCta {
             }
             float sums[2];
             reduce_row_sums<T>(rows, st, epilogue_wg, epilogue_idx, sums);   // all warps are past the mainloop
+            // The loader warps have set this request's bad-id flags (and are past its loads: the
+            // arrival below cannot overtake this wait's phase).
+            if constexpr (T::kLoaderWarps) mbarrier_wait(smem_u32(&st.bar_loads_issued), (req - begin_req) & 1);
             if (req < schedule(row).end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
-                if (threadIdx.x == 0) load_q(req + 1);
-                if constexpr (T::kSeesaw) {
-                    if (wg == 0 && loads_piece()) {
-                        load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, schedule(row).range));
+                if constexpr (T::kLoaderWarps) {
+                    if (threadIdx.x == 0) mbarrier_arrive(smem_u32(&st.bar_next_request));
+                } else {
+                    if (threadIdx.x == 0) load_q(req + 1);
+                    if constexpr (T::kSeesaw) {
+                        if (wg == 0 && loads_piece()) {
+                            load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, schedule(row).range), piece());
+                        }
                     }
                 }
             } else {
@@ -655,6 +751,11 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
         }
         for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
+        // 16-bit: a consumer warpgroup's first thread announces each refill and the end of a
+        // request; both loader warps, a request's loads.
+        for (auto& bar : st.bar_refill) mbarrier_init(smem_u32(&bar), 1);
+        mbarrier_init(smem_u32(&st.bar_next_request), 1);
+        mbarrier_init(smem_u32(&st.bar_loads_issued), 2);
         mbarrier_init_fence();
     }
     // Sparse pairs write into each other's buffers and barriers: both must be initialized.
@@ -716,7 +817,11 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         // warpgroups: reached from two, it is two CTA barriers where no cluster is launched, which
         // compute-sanitizer's synccheck reports as divergent threads.
         cluster_sync();
+    } else if (threadIdx.x >= T::kConsumerThreads) {
+        warpgroup_release_registers<T::kProducerRegs>();
+        if (cta.idx < 64) cta.run_loads(begin_req, row);
     } else {
+        warpgroup_claim_registers<T::kScoresRegs>();
         cta.template run_requests<-1>(begin_req, row);
     }
 }

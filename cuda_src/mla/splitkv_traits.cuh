@@ -40,6 +40,9 @@ struct SplitKVTraits {
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
+    // The 16-bit cache: two warps of a third warpgroup issue the page loads (SplitKVCta::run_loads),
+    // so that the consumers only arrive on a barrier where a region of the page buffers is free.
+    static constexpr bool kLoaderWarps = kCache == KVCache::k16Bit;
     // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
     static constexpr bool kQkFromLastTile = kCache == KVCache::kFp8;
     // The caller's precision: q and O.
@@ -52,19 +55,19 @@ struct SplitKVTraits {
 
     // Two consumer warpgroups, each owning half of O's columns (+ the producer).
     static constexpr int kConsumerThreads = kSplitKVThreads;
-    static constexpr int kThreads = kConsumerThreads + (kProducer ? kProducerThreads : 0);
+    static constexpr int kThreads = kConsumerThreads + kProducerThreads;
     static_assert(kConsumerThreads == 256, "two consumer warpgroups");
-    static_assert(!kProducer || kProducerThreads == 128, "one producer warpgroup");
+    static_assert(kProducerThreads == 128, "one producer (loader) warpgroup");
     // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
     // gives (384 x 168). Sparse: the scores warpgroup holds S, P and O_L, the values warpgroup only
     // O_R, and the producer a half page's loads per round in flight. Dense: the seesaw's two
     // warpgroups as in the 16-bit kernel, and an expander that holds two tiles' chunks (the next
     // tile's read while one is written: at 40 registers their offsets spilled, recomputed per tile
     // they cost 5-10 %; docs/perf-notes.md section 18).
-    static constexpr int kScoresRegs = kSparse ? 192 : 224;
-    static constexpr int kValuesRegs = kSparse ? 160 : 224;
-    static constexpr int kProducerRegs = kSparse ? 152 : 56;
-    static_assert(!kProducer || kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
+    static constexpr int kScoresRegs = kSparse ? 192 : kLoaderWarps ? 232 : 224;
+    static constexpr int kValuesRegs = kSparse ? 160 : kLoaderWarps ? 232 : 224;
+    static constexpr int kProducerRegs = kSparse ? 152 : kLoaderWarps ? 40 : 56;
+    static_assert(kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
     using Page = Int<kBlockN>;
@@ -143,6 +146,9 @@ struct SplitKVTraits {
                                          // an e4m3 q: V^T buffer b)
         uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
+        uint64_t bar_refill[4];          // 16-bit: V0_L, V1_L, V0_R, V1_R may be refilled (LoaderRefill)
+        uint64_t bar_next_request;       // 16-bit: the request's Q and pages are done with
+        uint64_t bar_loads_issued;       // 16-bit: the loader warps have read the request's block ids
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
     static_assert(2 * kE4m3PBytes <= sizeof(SharedStorage::p0), "an e4m3 q: both P in p0");
@@ -160,6 +166,9 @@ __device__ __forceinline__ typename T::Element* transposed_v_buffer(typename T::
     return reinterpret_cast<typename T::Element*>(base);
 }
 
+// The 16-bit cache's refills, each announced by its consumer warpgroup on bar_refill[i].
+enum class LoaderRefill : int { kV0Left, kV1Left, kV0Right, kV1Right };
+
 // Named barriers between the two warpgroups (0 is __syncthreads).
 enum class WgBarrier : int {
     kScale0Ready = 1,     // warpgroup 0 published row_max / scale0 for this page pair
@@ -175,11 +184,7 @@ enum class WgBarrier : int {
 // __syncthreads of the consumer warpgroups (the producer warpgroup does not take part).
 template <typename T>
 __device__ __forceinline__ void consumer_sync() {
-    if constexpr (T::kProducer) {
-        named_barrier_sync(int(WgBarrier::kConsumers), T::kConsumerThreads);
-    } else {
-        __syncthreads();
-    }
+    named_barrier_sync(int(WgBarrier::kConsumers), T::kConsumerThreads);
 }
 
 }  // namespace flashmla
