@@ -12,7 +12,7 @@ BLOCK_N = 64                # tokens per split-KV step (the scheduler's unit); c
 BLOCK_M = 64                # query rows (heads x MTP tokens) per split-KV CTA
 TMA_BOX = 64                # a TMA box is 64 rows x 64 columns (128 bytes of 16-bit values: one swizzle atom)
 SPLITKV_THREADS = 256       # two warpgroups
-PRODUCER_THREADS = 128      # the FP8 caches' third warpgroup: fills the page buffers with fp16 values
+PRODUCER_THREADS = 128      # the third warpgroup: fills the FP8 caches' page buffers with fp16 values; the 16-bit cache's loads
 # The dense FP8 cache is staged by TMA in boxes of 128 e4m3 bytes per row (two tiles' columns):
 # every row of any piece of a page then starts on the 128-byte boundary TMA needs.
 FP8_STAGED_ROW_BYTES = 128

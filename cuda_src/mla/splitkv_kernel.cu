@@ -1,19 +1,21 @@
 // Split-KV MLA decoding kernel ("seesaw" schedule of FlashMLA's 2025-04-22 kernel).
 //
-// Grid: (ceil(q_rows / 64), h_kv, num_sm_parts), 256 threads, one CTA per SM. CTA (m, h, part)
+// Grid: (ceil(q_rows / 64), h_kv, num_sm_parts), 384 threads, one CTA per SM. CTA (m, h, part)
 // handles query rows [64m, 64m + 64) of kv head h for the (request, page range) list that the
-// tile scheduler gave to `part`. Per request the two warpgroups walk the pages in pairs:
+// tile scheduler gave to `part`. Per request the two consumer warpgroups walk the pages in pairs:
 //
 //   page buffers kv[0] (even page) and kv[1] (odd page), each 64 x 576, loaded by TMA as nine
 //   64 x 64 tiles, each with its own mbarrier so that S = Q K^T starts on the first tile;
 //   warpgroup 0: S0 = Q K0^T, softmax, O_L += P0 V0_L, then O_L += P1 V1_L (P1 from smem);
 //   warpgroup 1: S1 = Q K1^T, softmax, O_R += P1 V1_R, then O_R += P0 V0_R (P0 from smem);
 //   the next pair's tiles are requested once the tile they replace has been consumed: at once
-//   where the pages feed this CTA alone (loads_bound), otherwise at FlashMLA's points.
+//   where the pages feed this CTA alone (loads_bound), otherwise at FlashMLA's points. There the
+//   consumer only arrives on a barrier; two loader warps of the third warpgroup issue the loads
+//   (run_loads), so that no consumer warp spends time on TMA issue (docs/perf-notes.md section 37).
 //
 // A page here is kBlockN = 64 tokens of the request. The cache's pages (page_block_size, a power
 // of two) fill a page buffer as 64 / page_block_size whole pages, or as a 64-token slice of a
-// larger one: each piece is one TMA box per tile, issued by its own thread (load_page_tiles).
+// larger one: each piece is one TMA box per tile, issued by its own lane (load_page_tiles).
 //
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
@@ -753,9 +755,11 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
         // 16-bit: a consumer warpgroup's first thread announces each refill and the end of a
         // request; both loader warps, a request's loads.
-        for (auto& bar : st.bar_refill) mbarrier_init(smem_u32(&bar), 1);
-        mbarrier_init(smem_u32(&st.bar_next_request), 1);
-        mbarrier_init(smem_u32(&st.bar_loads_issued), 2);
+        if constexpr (T::kLoaderWarps) {
+            for (auto& bar : st.bar_refill) mbarrier_init(smem_u32(&bar), 1);
+            mbarrier_init(smem_u32(&st.bar_next_request), 1);
+            mbarrier_init(smem_u32(&st.bar_loads_issued), 2);
+        }
         mbarrier_init_fence();
     }
     // Sparse pairs write into each other's buffers and barriers: both must be initialized.

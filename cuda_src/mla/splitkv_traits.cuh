@@ -63,7 +63,8 @@ struct SplitKVTraits {
     // O_R, and the producer a half page's loads per round in flight. Dense: the seesaw's two
     // warpgroups as in the 16-bit kernel, and an expander that holds two tiles' chunks (the next
     // tile's read while one is written: at 40 registers their offsets spilled, recomputed per tile
-    // they cost 5-10 %; docs/perf-notes.md section 18).
+    // they cost 5-10 %; docs/perf-notes.md section 18). The 16-bit cache: the seesaw's warpgroups
+    // at 232 and the loader warps at 40 (at 240 / 24 the loader warps spilled their request state).
     static constexpr int kScoresRegs = kSparse ? 192 : kLoaderWarps ? 232 : 224;
     static constexpr int kValuesRegs = kSparse ? 160 : kLoaderWarps ? 232 : 224;
     static constexpr int kProducerRegs = kSparse ? 152 : kLoaderWarps ? 40 : 56;
