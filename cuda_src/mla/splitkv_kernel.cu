@@ -251,6 +251,17 @@ struct SplitKVCta {
         }
     }
 
+    // Loader warps: tiles [kFirst, kLast) of page `page` into kv[buf], this lane's pieces (lane
+    // and lane + 32, cache blocks `ids`).
+    template <int kFirst, int kLast>
+    __device__ __forceinline__ void load_pieces(int buf, int page, const int (&ids)[2]) const {
+        CUTE_UNROLL
+        for (int k = 0; k < 2; ++k) {
+            const int piece = idx % 32 + 32 * k;
+            if (is_piece(piece)) load_page_tiles<kFirst, kLast>(buf, page, ids[k], piece);
+        }
+    }
+
     // The 16-bit cache's loads, issued by two warps of the third warpgroup (threads 256-319), so
     // that the consumers' warps never spend their time on TMA issue: warp 0 loads Q, each
     // request's first pages and the refills warpgroup 0 announces (V0_L, V1_L), warp 1 those of
@@ -289,30 +300,18 @@ struct SplitKVCta {
                 }
                 if (warp == 0) {
                     wait_refill(LoaderRefill::kV0Left);
-                    CUTE_UNROLL
-                    for (int k = 0; k < 2; ++k) {
-                        if (is_piece(lane + 32 * k)) load_page_tiles<0, 4>(0, page + 2, id2[k], lane + 32 * k);
-                    }
+                    load_pieces<0, 4>(0, page + 2, id2);
                     if (pair_follows) {
                         wait_refill(LoaderRefill::kV1Left);
-                        CUTE_UNROLL
-                        for (int k = 0; k < 2; ++k) {
-                            if (is_piece(lane + 32 * k)) load_page_tiles<0, 4>(1, page + 3, id3[k], lane + 32 * k);
-                        }
+                        load_pieces<0, 4>(1, page + 3, id3);
                     }
                 } else {
                     if (pair_follows) {
                         wait_refill(LoaderRefill::kV1Right);
-                        CUTE_UNROLL
-                        for (int k = 0; k < 2; ++k) {
-                            if (is_piece(lane + 32 * k)) load_page_tiles<4, kTilesK>(1, page + 3, id3[k], lane + 32 * k);
-                        }
+                        load_pieces<4, kTilesK>(1, page + 3, id3);
                     }
                     wait_refill(LoaderRefill::kV0Right);
-                    CUTE_UNROLL
-                    for (int k = 0; k < 2; ++k) {
-                        if (is_piece(lane + 32 * k)) load_page_tiles<4, kTilesK>(0, page + 2, id2[k], lane + 32 * k);
-                    }
+                    load_pieces<4, kTilesK>(0, page + 2, id2);
                 }
             }
             // The bad-id flags of this request are set (block_id): the consumers may read them.
