@@ -393,7 +393,8 @@ struct SplitKVCta {
         const int first_token = page * kBlockN;
         Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
-        // instead of delaying the TMA requests that need them.
+        // instead of delaying the TMA requests that need them (the 16-bit cache's loader warps
+        // read their own).
         int next_id0 = 0, next_id1 = 0;
         if constexpr (!kLast0 && !kLast1 && !T::kLoaderWarps) {
             if (loads_piece()) {
