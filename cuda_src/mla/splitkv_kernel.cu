@@ -10,7 +10,7 @@
 //   warpgroup 1: S1 = Q K1^T, softmax, O_R += P1 V1_R, then O_R += P0 V0_R (P0 from smem);
 //   the next pair's tiles are requested once the tile they replace has been consumed: at once
 //   where the pages feed this CTA alone (loads_bound), otherwise at FlashMLA's points. There the
-//   consumer only arrives on a barrier; two loader warps of the third warpgroup issue the loads
+//   consumer only arrives on a barrier; the four warps of the third warpgroup issue the loads
 //   (run_loads), so that no consumer warp spends time on TMA issue (docs/perf-notes.md section 37).
 //
 // A page here is kBlockN = 64 tokens of the request. The cache's pages (page_block_size, a power
@@ -119,7 +119,7 @@ struct SplitKVCta {
     // thread of the loading warpgroup whose piece() is below 64 >> piece_shift reads that piece's
     // block id ahead (piece_block_id) and issues its boxes (load_page_tiles). Consecutive pieces
     // go to different warps, so that small pages spread their TMA issue over all four.
-    // (The 16-bit cache's loader warps: a lane loads pieces lane and lane + 32, run_loads.)
+    // (The 16-bit cache's loader warps: loader_piece.)
     __device__ __forceinline__ int piece() const { return idx / 32 + 4 * (idx % 32); }
     __device__ __forceinline__ bool is_piece(int piece) const { return piece < (kBlockN >> p.piece_shift); }
     __device__ __forceinline__ bool loads_piece() const { return is_piece(piece()); }
@@ -251,24 +251,19 @@ struct SplitKVCta {
         }
     }
 
-    // Loader warps: tiles [kFirst, kLast) of page `page` into kv[buf], this lane's pieces (lane
-    // and lane + 32, cache blocks `ids`).
-    template <int kFirst, int kLast>
-    __device__ __forceinline__ void load_pieces(int buf, int page, const int (&ids)[2]) const {
-        CUTE_UNROLL
-        for (int k = 0; k < 2; ++k) {
-            const int piece = idx % 32 + 32 * k;
-            if (is_piece(piece)) load_page_tiles<kFirst, kLast>(buf, page, ids[k], piece);
-        }
-    }
+    // The loader warps' piece: warps 2r and 2r + 1 share the role-r refills, piece
+    // half + 2 lane for warp half (warp / 2): the 64 pieces of one-token pages are two per lane pair.
+    __device__ __forceinline__ int loader_piece() const { return idx / 64 + 2 * (idx % 32); }
 
-    // The 16-bit cache's loads, issued by two warps of the third warpgroup (threads 256-319), so
-    // that the consumers' warps never spend their time on TMA issue: warp 0 loads Q, each
-    // request's first pages and the refills warpgroup 0 announces (V0_L, V1_L), warp 1 those of
-    // warpgroup 1 (V1_R, V0_R), each in its warpgroup's order; a lane loads pieces lane and
-    // lane + 32. Block ids are read before each wait, so that their latency overlaps it.
+    // The 16-bit cache's loads, issued by the third warpgroup, so that the consumers' warps never
+    // spend their time on TMA issue: warps 0 and 2 load Q (warp 0), each request's first pages and
+    // the refills warpgroup 0 announces (V0_L, V1_L), warps 1 and 3 those of warpgroup 1 (V1_R,
+    // V0_R), each in its warpgroup's order; a lane loads one piece (loader_piece). Block ids are
+    // read before each wait, so that their latency overlaps it.
     __device__ __forceinline__ void run_loads(int begin_req, const SchedRow& row) const {
-        const int warp = idx / 32, lane = idx % 32;
+        const int role = (idx / 32) % 2, lane = idx % 32;
+        const int piece = loader_piece();
+        const bool loads = is_piece(piece);
         uint32_t refill_phases = 0;                      // bit i: bar_refill[i]'s
         auto wait_refill = [&](LoaderRefill which) {
             const int i = int(which);
@@ -281,37 +276,29 @@ struct SplitKVCta {
             const int* table = p.block_table + req * p.block_table_stride;
             // Q and the page buffers are free once the consumers are past the request before.
             if (req > begin_req) mbarrier_wait(smem_u32(&st.bar_next_request), (req - begin_req - 1) & 1);
-            if (warp == 0) {
-                if (lane == 0) load_q(req);
-                CUTE_UNROLL
-                for (int k = 0; k < 2; ++k) {
-                    if (is_piece(lane + 32 * k)) load_first_pages(req, span, lane + 32 * k);
-                }
+            if (role == 0) {
+                if (idx == 0) load_q(req);
+                if (loads) load_first_pages(req, span, piece);
             }
             #pragma unroll 1
             for (int page = span.first_page; page + 2 < span.end_page; page += 2) {
                 const bool pair_follows = page + 3 < span.end_page;
-                int id2[2], id3[2];
-                CUTE_UNROLL
-                for (int k = 0; k < 2; ++k) {
-                    const int pc = lane + 32 * k;
-                    id2[k] = is_piece(pc) ? piece_block_id(table, req, span.seqlen, page + 2, pc) : 0;
-                    id3[k] = is_piece(pc) && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, pc) : 0;
-                }
-                if (warp == 0) {
+                const int id2 = loads ? piece_block_id(table, req, span.seqlen, page + 2, piece) : 0;
+                const int id3 = loads && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, piece) : 0;
+                if (role == 0) {
                     wait_refill(LoaderRefill::kV0Left);
-                    load_pieces<0, 4>(0, page + 2, id2);
+                    if (loads) load_page_tiles<0, 4>(0, page + 2, id2, piece);
                     if (pair_follows) {
                         wait_refill(LoaderRefill::kV1Left);
-                        load_pieces<0, 4>(1, page + 3, id3);
+                        if (loads) load_page_tiles<0, 4>(1, page + 3, id3, piece);
                     }
                 } else {
                     if (pair_follows) {
                         wait_refill(LoaderRefill::kV1Right);
-                        load_pieces<4, kTilesK>(1, page + 3, id3);
+                        if (loads) load_page_tiles<4, kTilesK>(1, page + 3, id3, piece);
                     }
                     wait_refill(LoaderRefill::kV0Right);
-                    load_pieces<4, kTilesK>(0, page + 2, id2);
+                    if (loads) load_page_tiles<4, kTilesK>(0, page + 2, id2, piece);
                 }
             }
             // The bad-id flags of this request are set (block_id): the consumers may read them.
@@ -754,11 +741,11 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         }
         for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
         // 16-bit: a consumer warpgroup's first thread announces each refill and the end of a
-        // request; both loader warps, a request's loads.
+        // request; each of the four loader warps, a request's loads.
         if constexpr (T::kLoaderWarps) {
             for (auto& bar : st.bar_refill) mbarrier_init(smem_u32(&bar), 1);
             mbarrier_init(smem_u32(&st.bar_next_request), 1);
-            mbarrier_init(smem_u32(&st.bar_loads_issued), 2);
+            mbarrier_init(smem_u32(&st.bar_loads_issued), 4);
         }
         mbarrier_init_fence();
     }
@@ -823,7 +810,7 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         cluster_sync();
     } else if (threadIdx.x >= T::kConsumerThreads) {
         warpgroup_release_registers<T::kProducerRegs>();
-        if (cta.idx < 64) cta.run_loads(begin_req, row);
+        cta.run_loads(begin_req, row);
     } else {
         warpgroup_claim_registers<T::kScoresRegs>();
         cta.template run_requests<-1>(begin_req, row);

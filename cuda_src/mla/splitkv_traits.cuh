@@ -40,7 +40,7 @@ struct SplitKVTraits {
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
-    // The 16-bit cache: two warps of a third warpgroup issue the page loads (SplitKVCta::run_loads),
+    // The 16-bit cache: the warps of a third warpgroup issue the page loads (SplitKVCta::run_loads),
     // so that the consumers only arrive on a barrier where a region of the page buffers is free.
     static constexpr bool kLoaderWarps = kCache == KVCache::k16Bit;
     // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
