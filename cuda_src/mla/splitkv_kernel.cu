@@ -301,7 +301,9 @@ struct SplitKVCta {
                     if (loads) load_page_tiles<4, kTilesK>(0, page + 2, id2, piece);
                 }
             }
-            // The bad-id flags of this request are set (block_id): the consumers may read them.
+            // The bad-id flags of this request are set (block_id, by any lane): the consumers may
+            // read them.
+            __syncwarp();
             if (lane == 0) mbarrier_arrive(smem_u32(&st.bar_loads_issued));
         }
     }
