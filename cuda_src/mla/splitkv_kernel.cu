@@ -251,8 +251,8 @@ struct SplitKVCta {
         }
     }
 
-    // The loader warps' piece: warps 2r and 2r + 1 share the role-r refills, piece
-    // half + 2 lane for warp half (warp / 2): the 64 pieces of one-token pages are two per lane pair.
+    // The loader warps' piece: warps r and r + 2 share the role-r refills (run_loads); lane k of
+    // the first takes piece 2k, of the second 2k + 1, so the 64 pieces of one-token pages are one a lane.
     __device__ __forceinline__ int loader_piece() const { return idx / 64 + 2 * (idx % 32); }
 
     // The 16-bit cache's loads, issued by the third warpgroup, so that the consumers' warps never
