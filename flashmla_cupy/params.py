@@ -51,6 +51,7 @@ class SplitKVParams(ctypes.Structure):
         ("indices_stride_b", ctypes.c_int64),
         ("indices_stride_s", ctypes.c_int64),
         ("cache_block_stride", ctypes.c_int64),
+        ("cache_head_stride", ctypes.c_int64),
         ("cache_tokens", ctypes.c_int64),
         ("topk", ctypes.c_int32),
         ("page_block_size", ctypes.c_int32),

@@ -252,8 +252,9 @@ class LaunchPlan:
             entry[5] = address
 
 
-# The dense FP8 cache's pointer fields: the dense ones and theirs (indices .. attn_sink unused).
-FP8_SPLITKV_POINTERS = SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink", "cache", "kv_scale", "q_scale")
+# The dense caches' pointer fields: the sparse kernel's (indices .. attn_sink unused), the cache's
+# bytes (read by the FP8 kernels, and by the 16-bit one at one-token pages) and the FP8 scales.
+DENSE_SPLITKV_POINTERS = SPLITKV_POINTERS + ("indices", "topk_length", "attn_sink", "cache", "kv_scale", "q_scale")
 
 
 class CallPlan(LaunchPlan):
@@ -306,7 +307,7 @@ class CallPlan(LaunchPlan):
         p.num_blocks, p.page_block_size = a.k_cache_shape[:2]
         p.page_shift = p.page_block_size.bit_length() - 1
         p.piece_shift = min(p.page_block_size, BLOCK_N).bit_length() - 1
-        p.cache_block_stride = a.k_cache_strides[0]
+        p.cache_block_stride, p.cache_head_stride = a.k_cache_strides[0], a.k_cache_strides[2]
         p.total_splits = a.batch + a.num_sm_parts
         p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.batch, a.s_q, a.q_rows, a.heads_per_kv
         p.h_q, p.h_kv, p.causal, p.sparse_s_q = a.h_q, a.h_kv, int(a.causal), 1
@@ -320,7 +321,7 @@ class CallPlan(LaunchPlan):
         c.batch, c.q_rows, c.h_kv, c.heads_per_kv = a.batch, a.q_rows, a.h_kv, a.heads_per_kv
         c.s_q, c.h_q, c.max_splits, c.total_splits = a.s_q, a.h_q, a.num_sm_parts, a.batch + a.num_sm_parts
         c.sparse_s_q = 1
-        self._splitkv_pointers = pointer_run(SplitKVParams, FP8_SPLITKV_POINTERS if a.fp8_cache else SPLITKV_POINTERS)
+        self._splitkv_pointers = pointer_run(SplitKVParams, DENSE_SPLITKV_POINTERS)
         self._combine_pointers = pointer_run(CombineParams, COMBINE_POINTERS)
 
     def run(self, pointers, q, out, lse, workspace):
@@ -339,12 +340,9 @@ class CallPlan(LaunchPlan):
             lse_accum_ptr, o_accum_ptr = ws.lse_accum_ptr, ws.o_accum_ptr
             offset, fmt = self._splitkv_pointers
             self._update_map(1, k_ptr)
-            if a.fp8_cache:
-                struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-                                 lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr, 0, 0, 0, k_ptr, *pointers[6:8])
-            else:
-                struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-                                 lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr)
+            scales = pointers[6:8] if a.fp8_cache else (0, 0)
+            struct.pack_into(fmt, self.splitkv.buffer, offset, table_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+                             lse_ptr, lse_accum_ptr, o_accum_ptr, o_ptr, error_ptr, 0, 0, 0, k_ptr, *scales)
             self.splitkv()
             offset, fmt = self._combine_pointers
             struct.pack_into(fmt, self.combine.buffer, offset, splits_ptr, lse_accum_ptr, o_accum_ptr, o_ptr,

@@ -730,6 +730,22 @@ def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeyp
     assert len(fake_gpu.launches) == 6
 
 
+def test_dense_call_gives_the_kernel_the_caches_bytes(fake_gpu, monkeypatch):
+    # The 16-bit kernel reads the cache by TMA, and at one-token pages by cp.async from its bytes:
+    # their address and strides are in its parameters; the FP8 and sparse fields stay 0.
+    from flashmla_cupy import tma
+
+    monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: bytes(128))       # no driver here
+    a = fake_gpu.arrays
+    args = mla_args(a)
+    ws = mla.MLAWorkspace(B, S_Q, H_Q, H_KV, args["tile_scheduler_metadata"].shape[0], BF16,
+                          alloc=lambda n: a.empty((n,), np.uint8))
+    assert MLA(**args, workspace=ws) == (args["out"], args["lse"])
+    p, k = fake_gpu.launches[-2].params, args["k_cache"]
+    assert (p.cache, p.cache_block_stride, p.cache_head_stride) == (k.data.ptr, k.strides[0], k.strides[2])
+    assert (p.kv_scale, p.q_scale, p.indices, p.topk_length, p.attn_sink) == (0, 0, 0, 0, 0)
+
+
 # --------------------------------------------------------------------------------------------
 # The dense FP8 cache (is_fp8_kvcache=True with k_scale, no indices): bad arguments, before any launch
 # --------------------------------------------------------------------------------------------

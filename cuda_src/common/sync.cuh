@@ -7,6 +7,8 @@
 
 namespace flashmla {
 
+constexpr unsigned kFullWarp = 0xffffffffu;   // the mask of a warp's shuffles and votes
+
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
@@ -103,6 +105,25 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
 // A plain arrival (a thread that filled shared memory itself, or released a buffer).
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+// `bytes` of the current phase's expected transaction bytes accounted for by this thread (bytes
+// it copies itself, with cp.async, where TMA would have completed them).
+__device__ __forceinline__ void mbarrier_complete_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.complete_tx.shared::cta.relaxed.cta.b64 [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// --- cp.async (16-byte copies from global to shared memory, issued per thread) --------------
+
+// 16 bytes at `src` into shared `dst`; with `src_bytes` 0, zeros and nothing read.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// An arrival on `bar` once this thread's cp.async copies so far have landed; the barrier's count
+// includes it (.noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
 
 // Spin until the phase with parity `phase` has completed.

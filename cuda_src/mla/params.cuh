@@ -26,7 +26,7 @@ struct SplitKVParams {
     const int* indices;           // sparse: [batch][s_q][topk] token ids, block * page + offset
     const int* topk_length;       // sparse: [batch] or null: only the first topk_length[b] ids count
     const float* attn_sink;       // sparse: [h_q] or null
-    const uint8_t* cache;         // FP8 caches: the cache's bytes (sparse: kFp8TokenBytes per token, dense: kHeadDimK)
+    const uint8_t* cache;         // the cache's bytes (sparse: kFp8TokenBytes per token; dense FP8: kHeadDimK; 16-bit: 2 kHeadDimK)
     const float* kv_scale;        // dense FP8 cache: its dequantization scale (one float)
     const float* q_scale;         // dense FP8 cache: an e4m3 q's dequantization scale (one float), or null: bf16 q
     int64_t block_table_stride;
@@ -43,7 +43,8 @@ struct SplitKVParams {
     float scale_log2;             // softmax_scale * log2(e)
     int64_t indices_stride_b;     // sparse: elements between requests / query tokens of indices
     int64_t indices_stride_s;
-    int64_t cache_block_stride;   // FP8 caches: bytes between cache blocks
+    int64_t cache_block_stride;   // bytes between cache blocks
+    int64_t cache_head_stride;    // dense caches: bytes between KV heads
     int64_t cache_tokens;         // sparse: num_blocks * page_block_size (ids outside are skipped)
     int topk;                     // sparse: indices' last dim
     int page_block_size;          // tokens per cache block (dense: a power of two)

@@ -206,12 +206,52 @@ struct SplitKVCta {
             }
             return;
         }
+        if (one_token_pages()) {
+            load_token_tiles<kFirst, kLast>(buf, block, piece);
+            return;
+        }
         const uint32_t bar = buf ? bar_kv1 : bar_kv0;
         const uint32_t dst = smem_u32(page_buf(buf) + first_row * kTileCols);
         CUTE_UNROLL
         for (int t = kFirst; t < kLast; ++t) {
             tma_load_4d(&p.tma_kv, bar + t * sizeof(uint64_t), dst + t * kTileBytes, t * kTileCols, cache_row,
                         kv_head, block, L2Hint::kEvictFirst);
+        }
+    }
+
+    // The 16-bit cache's one-token pages: the loader warps copy the tiles themselves
+    // (load_token_tiles). TMA would take one 128-byte box per token and tile; with boxes that
+    // small, page 1 took 2.3-2.7 times page 64's time (docs/perf-notes.md section 38).
+    __device__ __forceinline__ bool one_token_pages() const { return T::kLoaderWarps && p.piece_shift == 0; }
+
+    // One-token pages: tiles [kFirst, kLast) of the warp's 32 tokens (pieces; lane k's `block`
+    // and `piece` are token k's, loader_piece) into kv[buf], 16 bytes a copy (cp.async), eight
+    // lanes to a token's 128-byte row so that each copy instruction reads four whole rows, stored
+    // in the tiles' 128-byte swizzle as TMA stores them. A token past the request (block
+    // num_blocks) reads nothing and gets zeros. Each lane then accounts for its bytes on each
+    // tile's barrier (complete_tx: the consumers' expect_tx stands as for TMA) and arrives there
+    // once its copies have landed (the barrier counts these kBlockN arrivals: kernel prologue).
+    template <int kFirst, int kLast>
+    __device__ __forceinline__ void load_token_tiles(int buf, int block, int piece) const {
+        constexpr int kRowBytes = kTileCols * sizeof(Element);     // 128: one swizzle span
+        const int lane = idx % 32, chunk = lane % 8;                 // chunk: 16 of the row's bytes
+        const uint32_t bar = buf ? bar_kv1 : bar_kv0;
+        const uint32_t tiles = smem_u32(page_buf(buf));
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) {
+            const int source = lane / 8 + 4 * j;
+            const int id = __shfl_sync(kFullWarp, block, source), row = __shfl_sync(kFullWarp, piece, source);
+            const bool inside = id < p.num_blocks;
+            const uint8_t* src = p.cache + (inside ? id : 0) * p.cache_block_stride + kv_head * p.cache_head_stride +
+                                 chunk * 16;
+            const uint32_t dst = tiles + row * kRowBytes + (chunk ^ (row % 8)) * 16;
+            CUTE_UNROLL
+            for (int t = kFirst; t < kLast; ++t) cp_async_16(dst + t * kTileBytes, src + t * kRowBytes, inside ? 16 : 0);
+        }
+        CUTE_UNROLL
+        for (int t = kFirst; t < kLast; ++t) {
+            mbarrier_complete_tx(bar + t * sizeof(uint64_t), kRowBytes);   // 8 copies of 16 bytes
+            cp_async_arrive_noinc(bar + t * sizeof(uint64_t));
         }
     }
 
@@ -727,8 +767,9 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         tma_prefetch_descriptor(&p.tma_q);
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(cta.bar_q, 1);
-        // 16-bit cache: one arrival (the consumer announcing TMA's bytes); FP8: one per producer warp.
-        const uint32_t fills = kProducer ? kProducerThreads / 32 : 1;
+        // 16-bit cache: one arrival (the consumer announcing TMA's bytes), and at one-token pages
+        // one per loading lane (load_token_tiles); FP8: one per producer warp.
+        const uint32_t fills = kProducer ? kProducerThreads / 32 : cta.one_token_pages() ? 1 + kBlockN : 1;
         for (int t = 0; t < kTilesK; ++t) {
             mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
