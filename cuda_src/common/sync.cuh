@@ -7,8 +7,6 @@
 
 namespace flashmla {
 
-constexpr unsigned kFullWarp = 0xffffffffu;   // the mask of a warp's shuffles and votes
-
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }

@@ -240,7 +240,7 @@ struct SplitKVCta {
         CUTE_UNROLL
         for (int j = 0; j < 8; ++j) {
             const int source = lane / 8 + 4 * j;
-            const int id = __shfl_sync(kFullWarp, block, source), row = __shfl_sync(kFullWarp, piece, source);
+            const int id = __shfl_sync(0xffffffffu, block, source), row = __shfl_sync(0xffffffffu, piece, source);
             const bool inside = id < p.num_blocks;
             const uint8_t* src = p.cache + (inside ? id : 0) * p.cache_block_stride + kv_head * p.cache_head_stride +
                                  chunk * 16;
