@@ -54,15 +54,20 @@ def _mla_defines() -> tuple[tuple[str, str], ...]:
     return constants.defines() + layout_defines()
 
 
-def splitkv_program(tag: str) -> Program:
+def splitkv_program(tag: str, one_token_pages: bool = False) -> Program:
     """The split-KV kernel for a q/cache dtype tag (``DTYPE_TAGS``), ``SPARSE_FP8_TAG``, ``FP8_TAG``
-    (the FP8 caches: bf16 q, fp16 inside) or ``FP8_Q_TAG`` (the dense FP8 cache, e4m3 q)."""
+    (the FP8 caches: bf16 q, fp16 inside) or ``FP8_Q_TAG`` (the dense FP8 cache, e4m3 q).
+    ``one_token_pages`` (16-bit caches): the form for a page_block_size of 1, whose loader warps
+    copy the tokens with cp.async; a program of its own, compiled where that page size is used."""
     fp8 = {SPARSE_FP8_TAG: "kFp8Sparse", FP8_TAG: "kFp8", FP8_Q_TAG: "kFp8, true"}
+    if one_token_pages and tag not in DTYPE_TAGS:
+        raise ValueError(f"one-token pages have a program of their own for the 16-bit caches only, not {tag}")
+    cache = "k16BitTokenPages" if one_token_pages else "k16Bit"
     args = (f"cutlass::half_t, flashmla::KVCache::{fp8[tag]}" if tag in fp8
-            else f"{_CTYPES[tag]}, flashmla::KVCache::k16Bit")
+            else f"{_CTYPES[tag]}, flashmla::KVCache::{cache}")
     kernel = f"flashmla::splitkv_mla_kernel<{args}>"
-    return Program(f"splitkv_mla<{tag}>", "mla/splitkv_kernel.cu", (kernel,),
-                   _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
+    return Program(f"splitkv_mla<{tag}{', page 1' if one_token_pages else ''}>", "mla/splitkv_kernel.cu",
+                   (kernel,), _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
 
 
 def fp8_narrow_program() -> Program:
@@ -93,6 +98,7 @@ def metadata_program() -> Program:
 
 def mla_programs() -> list[Program]:
     return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG, FP8_TAG, FP8_Q_TAG)),
+            *(splitkv_program(t, one_token_pages=True) for t in DTYPE_TAGS),
             fp8_narrow_program(), *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
 
 

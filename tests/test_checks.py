@@ -36,7 +36,7 @@ import pytest
 
 import flashmla_cupy
 from fake_arrays import A100, FAKE_ADDRESS, FAKE_SPAN, H100, HostCudaArrayInterface, HostDLPack, fake_array
-from flashmla_cupy import attention, checks, compiler, constants, driver, errors, launch, mla, scheduler
+from flashmla_cupy import attention, checks, compiler, constants, driver, errors, launch, mla, programs, scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 B, S_Q, H_Q, H_KV, NUM_BLOCKS = 2, 1, 16, 1, 4
@@ -730,19 +730,25 @@ def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeyp
     assert len(fake_gpu.launches) == 6
 
 
-def test_dense_call_gives_the_kernel_the_caches_bytes(fake_gpu, monkeypatch):
-    # The 16-bit kernel reads the cache by TMA, and at one-token pages by cp.async from its bytes:
-    # their address and strides are in its parameters; the FP8 and sparse fields stay 0.
+@pytest.mark.parametrize("page", [64, 1])
+def test_dense_call_gives_the_kernel_the_caches_bytes(fake_gpu, monkeypatch, page):
+    # The 16-bit kernel reads the cache by TMA, and at one-token pages (a program of its own) by
+    # cp.async from its bytes: their address and strides are in its parameters; the FP8 and
+    # sparse fields stay 0.
     from flashmla_cupy import tma
 
     monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: bytes(128))       # no driver here
     a = fake_gpu.arrays
     args = mla_args(a)
+    args["k_cache"] = a.empty((NUM_BLOCKS * 64 // page, page, H_KV, 576), BF16)
     ws = mla.MLAWorkspace(B, S_Q, H_Q, H_KV, args["tile_scheduler_metadata"].shape[0], BF16,
                           alloc=lambda n: a.empty((n,), np.uint8))
     assert MLA(**args, workspace=ws) == (args["out"], args["lse"])
-    p, k = fake_gpu.launches[-2].params, args["k_cache"]
+    splitkv, k = fake_gpu.launches[-2], args["k_cache"]
+    assert splitkv.program == programs.splitkv_program("bf16", one_token_pages=page == 1)
+    p = splitkv.params
     assert (p.cache, p.cache_block_stride, p.cache_head_stride) == (k.data.ptr, k.strides[0], k.strides[2])
+    assert (p.page_block_size, p.piece_shift) == (page, min(page, 64).bit_length() - 1)
     assert (p.kv_scale, p.q_scale, p.indices, p.topk_length, p.attn_sink) == (0, 0, 0, 0, 0)
 
 
@@ -826,7 +832,7 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
     # (boxes of 64 rows of 128 bytes), q_scale's address in the kernel's parameters (else 0), out bf16.
     # A bf16 q of at most 32 rows: the narrow kernel (the cache dequantized in registers), its mma.sync
     # form (160 threads) for at most 16 rows, its WGMMA form (384) for more.
-    from flashmla_cupy import programs, tma
+    from flashmla_cupy import tma
 
     maps = []
     monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: maps.append((args, kwargs)) or bytes(128))

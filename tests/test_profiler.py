@@ -1576,7 +1576,7 @@ def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsy
     argv = ["profile", "--dtype", "fp8", "--seqlens", "128", "--heads", "16", "--s-q", "1,2", "--varlen", "off",
             "--baseline", "flash_mla", "--check", "--csv", str(csv_path), "--json", str(json_path)]
     assert _cli_with_a_stand_in_gpu(monkeypatch, argv + (["--q-dtype", q_dtype] if q_dtype else [])) == 0
-    assert built == [("mla", "fp8", q_dtype)]
+    assert built == [("mla", "fp8", q_dtype, ())]
     out = capsys.readouterr().out
     assert f"MLA decoding, q {q_text}, FP8 cache (576 B/token, one scale), causal, h_kv 1" in out
     assert "skipped flash_mla at 2 of 2 shapes: FlashMLA has no dense FP8 decoding on Hopper" in out
@@ -1650,6 +1650,13 @@ def test_a_profile_prebuilds_the_programs_it_launches():
     fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV kernel, bf16 out
     assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "mla_combine<bf16>", "mla_metadata"]
     assert [p.name for p in build.profile_programs("mla", "fp8", "fp8")][0] == "splitkv_mla<fp8q>"   # e4m3 q
+    # a 16-bit cache in one-token pages has a program of its own; an FP8 cache does not
+    pages = {sizes: [p.name for p in build.profile_programs("mla", "bf16", None, sizes)][:2]
+             for sizes in ((1,), (1, 64), (16,))}
+    assert pages == {(1,): ["splitkv_mla<bf16, page 1>", "mla_combine<bf16>"],
+                     (1, 64): ["splitkv_mla<bf16>", "splitkv_mla<bf16, page 1>"],
+                     (16,): ["splitkv_mla<bf16>", "mla_combine<bf16>"]}
+    assert [p.name for p in build.profile_programs("mla", "fp8", None, (1,))][0] == "splitkv_mla<fp8>"
     assert build.profile_programs("attention") == build.collect_programs("attention")
     registry = build.collect_programs()
     assert all(p in registry for kind in ("mla", "sparse") for p in build.profile_programs(kind))

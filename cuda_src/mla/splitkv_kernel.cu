@@ -16,6 +16,8 @@
 // A page here is kBlockN = 64 tokens of the request. The cache's pages (page_block_size, a power
 // of two) fill a page buffer as 64 / page_block_size whole pages, or as a 64-token slice of a
 // larger one: each piece is one TMA box per tile, issued by its own lane (load_page_tiles).
+// One-token pages (KVCache::k16BitTokenPages, a program of its own) are copied by the loader
+// lanes with cp.async instead (load_token_tiles).
 //
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
@@ -206,7 +208,7 @@ struct SplitKVCta {
             }
             return;
         }
-        if (one_token_pages()) {
+        if constexpr (T::kTokenPages) {
             load_token_tiles<kFirst, kLast>(buf, block, piece);
             return;
         }
@@ -219,18 +221,16 @@ struct SplitKVCta {
         }
     }
 
-    // The 16-bit cache's one-token pages: the loader warps copy the tiles themselves
-    // (load_token_tiles). TMA would take one 128-byte box per token and tile; with boxes that
-    // small, page 1 took 2.3-2.7 times page 64's time (docs/perf-notes.md section 38).
-    __device__ __forceinline__ bool one_token_pages() const { return T::kLoaderWarps && p.piece_shift == 0; }
-
-    // One-token pages: tiles [kFirst, kLast) of the warp's 32 tokens (pieces; lane k's `block`
-    // and `piece` are token k's, loader_piece) into kv[buf], 16 bytes a copy (cp.async), eight
-    // lanes to a token's 128-byte row so that each copy instruction reads four whole rows, stored
-    // in the tiles' 128-byte swizzle as TMA stores them. A token past the request (block
-    // num_blocks) reads nothing and gets zeros. Each lane then accounts for its bytes on each
-    // tile's barrier (complete_tx: the consumers' expect_tx stands as for TMA) and arrives there
-    // once its copies have landed (the barrier counts these kBlockN arrivals: kernel prologue).
+    // The 16-bit cache's one-token pages (KVCache::k16BitTokenPages), where TMA would take one
+    // 128-byte box per token and tile (with boxes that small, page 1 took 2.3-2.7 times page 64's
+    // time: docs/perf-notes.md section 38): tiles [kFirst, kLast) of the warp's 32 tokens
+    // (pieces; lane k's `block` and `piece` are token k's, loader_piece) into kv[buf], 16 bytes a
+    // copy (cp.async), eight lanes to a token's 128-byte row so that each copy instruction reads
+    // four whole rows, stored in the tiles' 128-byte swizzle as TMA stores them. A token past the
+    // request (block num_blocks) reads nothing and gets zeros. Each lane then accounts for its
+    // bytes on each tile's barrier (complete_tx: the consumers' expect_tx stands as for TMA) and
+    // arrives there once its copies have landed (the barrier counts these kBlockN arrivals:
+    // kernel prologue).
     template <int kFirst, int kLast>
     __device__ __forceinline__ void load_token_tiles(int buf, int block, int piece) const {
         constexpr int kRowBytes = kTileCols * sizeof(Element);     // 128: one swizzle span
@@ -769,7 +769,7 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         mbarrier_init(cta.bar_q, 1);
         // 16-bit cache: one arrival (the consumer announcing TMA's bytes), and at one-token pages
         // one per loading lane (load_token_tiles); FP8: one per producer warp.
-        const uint32_t fills = kProducer ? kProducerThreads / 32 : cta.one_token_pages() ? 1 + kBlockN : 1;
+        const uint32_t fills = kProducer ? kProducerThreads / 32 : T::kTokenPages ? 1 + kBlockN : 1;
         for (int t = 0; t < kTilesK; ++t) {
             mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);

@@ -133,12 +133,14 @@ def records(cubins: list) -> list[dict]:
     return out
 
 
-def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = None) -> list:
+def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = None,
+                     page_sizes: tuple[int, ...] = ()) -> list:
     """The programs a profile launches: for MLA the split-KV kernel of the cache's dtype (the
     profile's dtype names are the registry's tags: bf16, fp16, fp8; over the FP8 cache an e4m3 q,
-    ``q_dtype`` fp8, has a kernel of its own), the combine kernel of out's dtype (bf16 over the FP8
-    cache) and the metadata kernel; for sparse decoding the sparse FP8 split-KV kernel with the
-    bf16 combine and the metadata kernel; for attention the minimal FlashAttention's."""
+    ``q_dtype`` fp8, has a kernel of its own; a 16-bit cache in one-token pages too), the combine
+    kernel of out's dtype (bf16 over the FP8 cache) and the metadata kernel; for sparse decoding
+    the sparse FP8 split-KV kernel with the bf16 combine and the metadata kernel; for attention
+    the minimal FlashAttention's. ``page_sizes``: the profile's (none: the default, 64)."""
     from .. import programs
     from .shapes import FP8_Q, out_dtype
     if kind == "attention":
@@ -147,7 +149,11 @@ def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = N
                             else (dtype_tag, out_dtype(dtype_tag)))
     if splitkv_tag == programs.FP8_TAG and q_dtype == FP8_Q:
         splitkv_tag = programs.FP8_Q_TAG
-    return [programs.splitkv_program(splitkv_tag), programs.combine_program(out_tag), programs.metadata_program()]
+    token_pages = splitkv_tag in programs.DTYPE_TAGS and 1 in page_sizes
+    splitkv = [programs.splitkv_program(splitkv_tag, one_token_pages=True)] if token_pages else []
+    if not token_pages or set(page_sizes) != {1}:
+        splitkv.insert(0, programs.splitkv_program(splitkv_tag))
+    return [*splitkv, programs.combine_program(out_tag), programs.metadata_program()]
 
 
 def prebuild(progs: list, console, *, arch: str) -> None:
