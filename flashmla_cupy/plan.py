@@ -289,15 +289,15 @@ class CallPlan(LaunchPlan):
         a = self.inputs
         tag = "fp16" if self.dtype == np.float16 else "bf16"
         combine = launch.get_kernel(programs.combine_program(tag))
+        one_token_pages = a.k_cache_shape[1] == 1
         if a.fp8_cache and not a.fp8_q and a.q_rows <= FP8_NARROW_ROWS:
             # few rows of a bf16 q: MMAs on fragments dequantized in registers (fp8_narrow_kernel.cu)
-            kernel, threads = programs.fp8_narrow_form(a.q_rows)
+            kernel, threads = programs.fp8_narrow_form(a.q_rows, one_token_pages)
             splitkv = launch.get_kernel(programs.fp8_narrow_program(), kernel)
             grid, smem = (1, a.h_kv, a.num_sm_parts), programs.FP8_NARROW_SMEM_BYTES
         else:
             splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
-            one_token_pages = not a.fp8_cache and a.k_cache_shape[1] == 1
-            splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag, one_token_pages))
+            splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag, one_token_pages and not a.fp8_cache))
             # a warpgroup more: the 16-bit cache's loader warps, the FP8 cache's expander (fp8_expand.cuh)
             threads = SPLITKV_THREADS + PRODUCER_THREADS
             grid, smem = (-(-a.q_rows // BLOCK_M), a.h_kv, a.num_sm_parts), programs.SPLITKV_SMEM_BYTES

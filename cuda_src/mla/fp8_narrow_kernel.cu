@@ -14,7 +14,8 @@
 // one CTA per SM, 384 threads.
 //   warp 8 (loading; its warpgroup gives its registers to the consumers): for each page of 64
 //     tokens, its block ids and the TMA boxes of its bytes (fp8_staged.cuh's five boxes, packed:
-//     40 KB) into the next stage once it is free;
+//     40 KB) into the next stage once it is free; one-token pages (a kernel of their own) all
+//     four warps of the warpgroup copy with cp.async instead;
 //   warpgroups 0 and 1 (consumers), the pages in turn: per page, the form's S, online softmax
 //     (the row max agreed among the group's four warps through shared memory) and O += P V; one
 //     arrival per warp frees the stage. At a request's end the second group's rows merge into the
@@ -39,12 +40,50 @@ __device__ __forceinline__ uint32_t stage_address(NarrowStorage& st, int stage) 
     return smem_u32(st.stage[stage]);
 }
 
+// One-token pages: the four loading warps copy page `stage`'s 64 tokens themselves (cp.async),
+// where TMA would take five boxes a token (with boxes that small, page 1 took up to 8 times page
+// 64's time: docs/perf-notes.md section 41); warp w takes tokens 16w to 16w + 15. Lane k holds
+// the blocks of tokens k and k + 32. Eight lanes copy a token's row of each box, 16 bytes a lane,
+// four tokens per instruction, into the boxes' 128-byte swizzle as TMA stores them; box 4's bytes
+// past the 576-byte row are zeros, as TMA's fill, and so is every byte of a token past the
+// request (block num_blocks). Each lane then accounts for its bytes on `full` and arrives there
+// once its copies have landed (the barrier counts these 128 arrivals: kernel prologue).
+__device__ __forceinline__ void copy_token_page(const SplitKVParams& p, uint32_t stage, uint32_t full,
+                                                const int (&block)[2], int warp) {
+    const int lane = threadIdx.x % 32, chunk = lane % 8;            // chunk: 16 of a box row's bytes
+    const uint8_t* head = p.cache + blockIdx.y * p.cache_head_stride + chunk * 16;
+    const int half_block = warp < 2 ? block[0] : block[1];           // tokens 32 (warp / 2) + lane
+    // token 16 warp + lane / 8 + 4 j; four rows on, its chunks' swizzle differs in bit 2 (row % 8)
+    const int first = 16 * warp + lane / 8;
+    const uint32_t first_dst = stage + first * kFp8StagedRowBytes + (chunk ^ (first % 8)) * 16;
+    const uint32_t next_dst = stage + (first + 4) * kFp8StagedRowBytes + (chunk ^ ((first + 4) % 8)) * 16;
+    #pragma unroll 1
+    for (int j = 0; j < 4; ++j) {
+        const int id = __shfl_sync(0xffffffffu, half_block, (first + 4 * j) % 32);
+        const bool inside = id < p.num_blocks;
+        const uint8_t* src = head + (inside ? id : 0) * p.cache_block_stride;
+        const uint32_t dst = (j % 2 ? next_dst : first_dst) + (j / 2) * 8 * kFp8StagedRowBytes;
+        #pragma unroll
+        for (int box = 0; box < kStagedBoxes; ++box) {
+            const bool in_row = box < kStagedBoxes - 1 || chunk * 16 < kHeadDimK % kFp8StagedRowBytes;
+            cp_async_16(dst + box * kStagedBoxBytes, src + (in_row ? box * kFp8StagedRowBytes : 0),
+                        inside && in_row ? 16 : 0);
+        }
+    }
+    mbarrier_complete_tx(full, kStagedPageBytes / 128);             // 4 tokens x 5 boxes x 16 bytes
+    cp_async_arrive_noinc(full);
+}
+
 // The loading warp: every page of the part's requests, in order, into the ring. Each lane loads
 // the pieces lane and lane + 32 of a page (a piece: min(page_block_size, 64) rows of one cache
 // block, as in the split-KV kernel); a piece past the request's length reads block num_blocks,
 // which TMA fills with zeros without reading. A bad block id loads block 0 and flags the page.
+// kTokenPages (one-token pages): the four warps of the loading warpgroup each read every block
+// id of a page and copy a quarter of its tokens (copy_token_page); warp 0 alone flags and
+// announces the page.
+template <bool kTokenPages>
 __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage& st, const SchedRow& row) {
-    const int lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % 32, warp = kTokenPages ? threadIdx.x / 32 % 4 : 0;
     const int pieces = kBlockN >> p.piece_shift;
     int n = 0;                                                   // pages issued
     #pragma unroll 1
@@ -65,7 +104,7 @@ __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage
                     const int column = token >> p.page_shift;
                     block[k] = table[column];
                     if (static_cast<unsigned>(block[k]) >= static_cast<unsigned>(p.num_blocks)) {
-                        report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, req, column, block[k], p.num_blocks);
+                        if (warp == 0) report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, req, column, block[k], p.num_blocks);
                         block[k] = 0;
                         bad = true;
                     }
@@ -73,11 +112,15 @@ __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage
             }
             const uint32_t full = smem_u32(&st.full[n % kNarrowGroups][stage]);   // the page's group's
             bad = __any_sync(0xffffffffu, bad);
-            if (lane == 0) {
+            if (warp == 0 && lane == 0) {
                 st.bad_page[stage] = bad;
                 mbarrier_arrive_expect_tx(full, kStagedPageBytes);
             }
             __syncwarp();
+            if constexpr (kTokenPages) {
+                copy_token_page(p, stage_address(st, stage), full, block, warp);
+                continue;
+            }
             #pragma unroll
             for (int k = 0; k < 2; ++k) {
                 const int piece = lane + 32 * k;
@@ -157,7 +200,8 @@ __device__ __forceinline__ void consume_pages(Rows& rows, const SchedRow& row) {
 template <int kRows>
 using NarrowRows = cuda::std::conditional_t<kRows == NarrowMmaSyncRows::kRows, NarrowMmaSyncRows, NarrowWgmmaRows>;
 
-template <int kRows>
+// kTokenPages: the form for a page_block_size of 1 (copy_token_page).
+template <int kRows, bool kTokenPages = false>
 __global__ void __launch_bounds__(NarrowRows<kRows>::kThreads, 1)
 fp8_narrow_mla_kernel(const __grid_constant__ SplitKVParams p) {
     using Rows = NarrowRows<kRows>;
@@ -169,7 +213,8 @@ fp8_narrow_mla_kernel(const __grid_constant__ SplitKVParams p) {
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(smem_u32(&st.bar_q), 1);
         for (int s = 0; s < kFp8NarrowStages; ++s) {
-            for (int g = 0; g < kNarrowGroups; ++g) mbarrier_init(smem_u32(&st.full[g][s]), 1);   // the loading warp's byte count
+            // the loading warp's byte count, and at one-token pages an arrival per loading lane (copy_token_page)
+            for (int g = 0; g < kNarrowGroups; ++g) mbarrier_init(smem_u32(&st.full[g][s]), kTokenPages ? 1 + 128 : 1);
             mbarrier_init(smem_u32(&st.empty[s]), kNarrowWarps);                  // one arrival per consumer warp
         }
         mbarrier_init_fence();
@@ -181,7 +226,7 @@ fp8_narrow_mla_kernel(const __grid_constant__ SplitKVParams p) {
     if (!part_is_runnable(p, row, -1)) return;
     if (threadIdx.x >= Rows::kConsumerThreads) {                    // the loading warp (of its warpgroup)
         warpgroup_release_registers<Rows::kLoaderRegs>();
-        if (threadIdx.x < Rows::kConsumerThreads + 32) load_pages(p, st, row);
+        if (kTokenPages || threadIdx.x < Rows::kConsumerThreads + 32) load_pages<kTokenPages>(p, st, row);
         return;
     }
     warpgroup_claim_registers<Rows::kConsumerRegs>();
