@@ -55,8 +55,7 @@ __device__ __forceinline__ void copy_token_page(const SplitKVParams& p, uint32_t
     const int half_block = warp < 2 ? block[0] : block[1];           // tokens 32 (warp / 2) + lane
     // token 16 warp + lane / 8 + 4 j; four rows on, its chunks' swizzle differs in bit 2 (row % 8)
     const int first = 16 * warp + lane / 8;
-    const uint32_t first_dst = stage + first * kFp8StagedRowBytes + (chunk ^ (first % 8)) * 16;
-    const uint32_t next_dst = stage + (first + 4) * kFp8StagedRowBytes + (chunk ^ ((first + 4) % 8)) * 16;
+    const uint32_t first_dst = swizzled_chunk(stage, first, chunk), next_dst = swizzled_chunk(stage, first + 4, chunk);
     #pragma unroll 1
     for (int j = 0; j < 4; ++j) {
         const int id = __shfl_sync(0xffffffffu, half_block, (first + 4 * j) % 32);

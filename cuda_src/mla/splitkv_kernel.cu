@@ -244,7 +244,7 @@ struct SplitKVCta {
             const bool inside = id < p.num_blocks;
             const uint8_t* src = p.cache + (inside ? id : 0) * p.cache_block_stride + kv_head * p.cache_head_stride +
                                  chunk * 16;
-            const uint32_t dst = tiles + row * kRowBytes + (chunk ^ (row % 8)) * 16;
+            const uint32_t dst = swizzled_chunk(tiles, row, chunk);
             CUTE_UNROLL
             for (int t = kFirst; t < kLast; ++t) cp_async_16(dst + t * kTileBytes, src + t * kRowBytes, inside ? 16 : 0);
         }
