@@ -1647,8 +1647,8 @@ def test_a_profile_prebuilds_the_programs_it_launches():
     names = {kind: [p.name for p in build.profile_programs(kind, "fp16")] for kind in ("mla", "sparse")}
     assert names == {"mla": ["splitkv_mla<fp16>", "mla_combine<fp16>", "mla_metadata"],
                      "sparse": ["splitkv_mla<fp8_sparse>", "mla_combine<bf16>", "mla_metadata"]}
-    fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV kernel, bf16 out
-    assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "mla_combine<bf16>", "mla_metadata"]
+    fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV and narrow kernels, bf16 out
+    assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "fp8_narrow_mla", "mla_combine<bf16>", "mla_metadata"]
     assert [p.name for p in build.profile_programs("mla", "fp8", "fp8")][0] == "splitkv_mla<fp8q>"   # e4m3 q
     # a 16-bit cache in one-token pages has a program of its own; an FP8 cache does not
     pages = {sizes: [p.name for p in build.profile_programs("mla", "bf16", None, sizes)][:2]
