@@ -77,7 +77,7 @@ _NARROW_FORMS = tuple((rows, one_token_pages) for one_token_pages in (False, Tru
 def fp8_narrow_program() -> Program:
     """The dense FP8 cache with a bf16 q and at most ``FP8_NARROW_ROWS`` query rows per KV head: its
     forms for up to ``FP8_NARROW_MMA_SYNC_ROWS`` rows and for more (``fp8_narrow_kernel``), each
-    also for one-token pages (copied by the loading warp with cp.async)."""
+    also for one-token pages (copied by the loading warpgroup's four warps with cp.async)."""
     return Program("fp8_narrow_mla", "mla/fp8_narrow_kernel.cu",
                    tuple(f"flashmla::fp8_narrow_mla_kernel<{rows}, {str(tokens).lower()}>"
                          for rows, tokens in _NARROW_FORMS),
@@ -87,7 +87,8 @@ def fp8_narrow_program() -> Program:
 def fp8_narrow_form(q_rows: int, one_token_pages: bool = False) -> tuple[str, int]:
     """The narrow kernel's form for ``q_rows`` query rows per KV head (at most ``FP8_NARROW_ROWS``)
     and the cache's pages: its name expression and threads per CTA."""
-    rows = constants.FP8_NARROW_MMA_SYNC_ROWS if q_rows <= constants.FP8_NARROW_MMA_SYNC_ROWS else constants.FP8_NARROW_ROWS
+    mma_sync = q_rows <= constants.FP8_NARROW_MMA_SYNC_ROWS
+    rows = constants.FP8_NARROW_MMA_SYNC_ROWS if mma_sync else constants.FP8_NARROW_ROWS
     return fp8_narrow_program().kernels[_NARROW_FORMS.index((rows, one_token_pages))], constants.FP8_NARROW_THREADS
 
 
