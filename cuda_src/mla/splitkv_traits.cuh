@@ -33,7 +33,7 @@ enum class KVCache : int {
 // e4m3 into a ring of three V^T buffers, with P rounded to e4m3.
 // kTokenPages_: the form for one-token pages of a dense cache, which copies the tokens with
 // cp.async where TMA would take a box per token (SplitKVCta::load_token_tiles,
-// copy_staged_token); a program of its own, since that path inside the other form cost the other
+// copy_staged_tokens); a program of its own, since that path inside the other form cost the other
 // page sizes 0.5 % (docs/perf-notes.md section 40).
 template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false, bool kTokenPages_ = false>
 struct SplitKVTraits {
