@@ -14,6 +14,9 @@ DTYPE_TAGS = ("bf16", "fp16")
 SPARSE_FP8_TAG = "fp8_sparse"      # DeepSeek-V3.2's sparse decoding over its 656-byte FP8 cache
 FP8_TAG = "fp8"                    # the dense e4m3 cache with one scale per tensor, bf16 q
 FP8_Q_TAG = "fp8q"                 # the same cache with an e4m3 q (QK^T in FP8 WGMMA)
+# Split-KV programs with a form for one-token pages (tokens copied with cp.async). Not FP8_TAG: its
+# consumers, which stage the pages, spill with the copies inlined (docs/perf-notes.md section 41).
+ONE_TOKEN_PAGE_TAGS = (*DTYPE_TAGS, FP8_Q_TAG)
 _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
 
@@ -57,15 +60,15 @@ def _mla_defines() -> tuple[tuple[str, str], ...]:
 def splitkv_program(tag: str, one_token_pages: bool = False) -> Program:
     """The split-KV kernel for a q/cache dtype tag (``DTYPE_TAGS``), ``SPARSE_FP8_TAG``, ``FP8_TAG``
     (the FP8 caches: bf16 q, fp16 inside) or ``FP8_Q_TAG`` (the dense FP8 cache, e4m3 q).
-    ``one_token_pages`` (16-bit caches): the form for a page_block_size of 1, whose loader warps
-    copy the tokens with cp.async; a program of its own, compiled where that page size is used."""
-    fp8 = {SPARSE_FP8_TAG: "kFp8Sparse", FP8_TAG: "kFp8", FP8_Q_TAG: "kFp8, true"}
-    if one_token_pages and tag not in DTYPE_TAGS:
-        raise ValueError(f"one-token pages have a program of their own for the 16-bit caches only, not {tag}")
-    cache = "k16BitTokenPages" if one_token_pages else "k16Bit"
+    ``one_token_pages`` (``ONE_TOKEN_PAGE_TAGS``): the form for a page_block_size of 1, which
+    copies the tokens with cp.async; a program of its own, compiled where that page size is used."""
+    fp8 = {SPARSE_FP8_TAG: "kFp8Sparse, false", FP8_TAG: "kFp8, false", FP8_Q_TAG: "kFp8, true"}
+    if one_token_pages and tag not in ONE_TOKEN_PAGE_TAGS:
+        raise ValueError(f"one-token pages have a program of their own for {', '.join(ONE_TOKEN_PAGE_TAGS)}, not {tag}")
     args = (f"cutlass::half_t, flashmla::KVCache::{fp8[tag]}" if tag in fp8
-            else f"{_CTYPES[tag]}, flashmla::KVCache::{cache}")
-    kernel = f"flashmla::splitkv_mla_kernel<{args}>"
+            else f"{_CTYPES[tag]}, flashmla::KVCache::k16Bit, false")
+    tokens = ", true" if one_token_pages else ""
+    kernel = f"flashmla::splitkv_mla_kernel<{args}{tokens}>"
     return Program(f"splitkv_mla<{tag}{', page 1' if one_token_pages else ''}>", "mla/splitkv_kernel.cu",
                    (kernel,), _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
 
@@ -104,7 +107,7 @@ def metadata_program() -> Program:
 
 def mla_programs() -> list[Program]:
     return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG, FP8_TAG, FP8_Q_TAG)),
-            *(splitkv_program(t, one_token_pages=True) for t in DTYPE_TAGS),
+            *(splitkv_program(t, one_token_pages=True) for t in ONE_TOKEN_PAGE_TAGS),
             fp8_narrow_program(), *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
 
 

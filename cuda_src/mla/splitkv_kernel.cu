@@ -16,8 +16,9 @@
 // A page here is kBlockN = 64 tokens of the request. The cache's pages (page_block_size, a power
 // of two) fill a page buffer as 64 / page_block_size whole pages, or as a 64-token slice of a
 // larger one: each piece is one TMA box per tile, issued by its own lane (load_page_tiles).
-// One-token pages (KVCache::k16BitTokenPages, a program of its own) are copied by the loader
-// lanes with cp.async instead (load_token_tiles).
+// One-token pages (T::kTokenPages, a program of its own) are copied with cp.async instead: by
+// the loader lanes (load_token_tiles), or for the dense FP8 cache by the warps of the
+// warpgroup that stages the page (copy_staged_tokens).
 //
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
@@ -124,13 +125,19 @@ struct SplitKVCta {
     // (The 16-bit cache's loader warps: loader_piece.)
     __device__ __forceinline__ int piece() const { return idx / 32 + 4 * (idx % 32); }
     __device__ __forceinline__ bool is_piece(int piece) const { return piece < (kBlockN >> p.piece_shift); }
-    __device__ __forceinline__ bool loads_piece() const { return is_piece(piece()); }
+    // The dense FP8 cache's one-token pages: every thread, to copy its warp's pieces (copy_staged_tokens).
+    __device__ __forceinline__ bool loads_piece() const {
+        return (T::kTokenPages && T::kProducer) || is_piece(piece());
+    }
 
     // The cache block of piece `piece` of page `page` of request `request` (`seqlen` tokens). A
     // piece wholly past the request gets num_blocks: TMA fills a box outside the cache with zeros
     // and reads nothing (its bytes still count on the tile's barrier).
     __device__ __forceinline__ int piece_block_id(const int* table, int request, int seqlen, int page, int piece) const {
         const int token = page * kBlockN + (piece << p.piece_shift);
+        if constexpr (T::kTokenPages && T::kProducer) {
+            if (!is_piece(piece)) return p.num_blocks;                // a lane that only copies
+        }
         if (token >= seqlen) return p.num_blocks;
         return block_id(table, request, token >> p.page_shift);
     }
@@ -200,6 +207,10 @@ struct SplitKVCta {
                 const uint32_t bar = smem_u32(&st.bar_staged[buf]);
                 const uint32_t dst = smem_u32(page_buf(buf)) + first_row * kFp8StagedRowBytes;
                 if (first_row == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
+                if constexpr (T::kTokenPages) {
+                    copy_staged_tokens(bar, buf, block);
+                    return;
+                }
                 CUTE_UNROLL
                 for (int box = 0; box < kStagedBoxes; ++box) {
                     tma_load_4d(&p.tma_kv, bar, dst + staged_box_offset(box), box * kFp8StagedRowBytes, cache_row,
@@ -221,7 +232,38 @@ struct SplitKVCta {
         }
     }
 
-    // The 16-bit cache's one-token pages (KVCache::k16BitTokenPages), where TMA would take one
+    // The dense FP8 cache's one-token pages (T::kTokenPages), where TMA would take five boxes of
+    // one row a token: every thread of the staging warpgroup enters (loads_piece), and each warp
+    // copies its 16 tokens (pieces; lane k < 16 holds piece idx / 32 + 4k's `block`), eight lanes
+    // to a token's row of each box and four tokens per instruction (cp.async, 16 bytes a copy;
+    // copies of whole rows by each piece's thread, 16 tokens per instruction, were 6 % slower than
+    // TMA: docs/perf-notes.md section 41), into the staged boxes of kv[buf] in their 128-byte
+    // swizzle as TMA stores them. Box 4's bytes past the 576-byte row are zeros, as TMA's fill, and
+    // so are a token's past the request (block num_blocks). Each lane then accounts for its bytes
+    // on `bar` and arrives there once its copies have landed (the barrier counts these 128
+    // arrivals: kernel prologue).
+    __device__ __forceinline__ void copy_staged_tokens(uint32_t bar, int buf, int block) const {
+        const int lane = idx % 32, chunk = lane % 8;
+        const uint32_t page = smem_u32(page_buf(buf));
+        const uint8_t* head = p.cache + kv_head * p.cache_head_stride + chunk * 16;
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            const int source = lane / 8 + 4 * j;
+            const int id = __shfl_sync(0xffffffffu, block, source), row = idx / 32 + 4 * source;
+            const bool inside = id < p.num_blocks;
+            const uint8_t* src = head + (inside ? id : 0) * p.cache_block_stride;
+            CUTE_UNROLL
+            for (int box = 0; box < kStagedBoxes; ++box) {
+                const bool in_row = box < kStagedBoxes - 1 || chunk * 16 < kHeadDimK % kFp8StagedRowBytes;
+                cp_async_16(swizzled_chunk(page + staged_box_offset(box), row, chunk),
+                            src + (in_row ? box * kFp8StagedRowBytes : 0), inside && in_row ? 16 : 0);
+            }
+        }
+        mbarrier_complete_tx(bar, 4 * kStagedBoxes * 16);
+        cp_async_arrive_noinc(bar);
+    }
+
+    // The 16-bit cache's one-token pages (T::kTokenPages), where TMA would take one
     // 128-byte box per token and tile (with boxes that small, page 1 took 2.3-2.7 times page 64's
     // time: docs/perf-notes.md section 38): tiles [kFirst, kLast) of the warp's 32 tokens
     // (pieces; lane k's `block` and `piece` are token k's, loader_piece) into kv[buf], 16 bytes a
@@ -753,10 +795,10 @@ struct SplitKVCta {
     }
 };
 
-template <typename Element, KVCache kCache, bool kE4m3Q = false>
+template <typename Element, KVCache kCache, bool kE4m3Q = false, bool kTokenPages = false>
 __global__ void __launch_bounds__(SplitKVTraits<Element, kCache>::kThreads, 1)
 splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
-    using T = SplitKVTraits<Element, kCache, kE4m3Q>;
+    using T = SplitKVTraits<Element, kCache, kE4m3Q, kTokenPages>;
     constexpr bool kSparse = T::kSparse, kProducer = T::kProducer;
     extern __shared__ __align__(1024) unsigned char smem[];
     auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);
@@ -777,12 +819,12 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
         // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), or with an e4m3 q
         // every warp of both warpgroups its half of a V^T buffer (release_transposed_v); one
-        // arrival (the byte count of the thread staging the page's first piece) completes a
-        // staged page.
+        // arrival (the byte count of the thread staging the page's first piece), and at one-token
+        // pages one per thread of the staging warpgroup (copy_staged_tokens), completes a staged page.
         for (int b = 0; b < kTransposedVBuffers; ++b) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
         }
-        for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), 1);
+        for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), T::kTokenPages ? 1 + 128 : 1);
         // 16-bit: a consumer warpgroup's first thread announces each refill and the end of a
         // request; each of the four loader warps, a request's loads.
         if constexpr (T::kLoaderWarps) {

@@ -17,9 +17,6 @@ enum class KVCache : int {
     kFp8Sparse = 1,   // DeepSeek-V3.2's 656-byte FP8 tokens, named by `indices` (sparse decoding)
     kFp8 = 2,         // e4m3 tokens of 576 values with one scale per tensor, by block table; the
                       // seesaw consumers, a warpgroup expanding the pages that TMA staged (fp8_expand.cuh)
-    k16BitTokenPages = 3,  // k16Bit in one-token pages: the loader warps copy the tokens with
-                           // cp.async (SplitKVCta::load_token_tiles); a program of its own, since
-                           // that path in k16Bit's cost the other page sizes 0.5 % (perf-notes §40)
 };
 
 // The FP8 caches (kProducer): a third warpgroup fills the page buffers with fp16 values: the
@@ -34,19 +31,24 @@ enum class KVCache : int {
 // kE4m3Q_ (dense FP8 cache only): q holds e4m3 values; QK^T is an FP8 WGMMA on Q's and each
 // page's staged bytes (fp8_staged.cuh), and P V one on V^T, which the third warpgroup writes in
 // e4m3 into a ring of three V^T buffers, with P rounded to e4m3.
-template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false>
+// kTokenPages_: the form for one-token pages of a dense cache, which copies the tokens with
+// cp.async where TMA would take a box per token (SplitKVCta::load_token_tiles,
+// copy_staged_tokens); a program of its own, since that path inside the other form cost the other
+// page sizes 0.5 % (docs/perf-notes.md section 40).
+template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false, bool kTokenPages_ = false>
 struct SplitKVTraits {
     using Element = Element_;                  // Q, K, V, P (the NoPE part, for kFp8Sparse)
     static constexpr KVCache kCache = kCache_;
     static constexpr bool kE4m3Q = kE4m3Q_;
     static_assert(!kE4m3Q || kCache == KVCache::kFp8, "an e4m3 q: the dense FP8 cache only");
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
-    static constexpr bool kTokenPages = kCache == KVCache::k16BitTokenPages;
-    static constexpr bool kProducer = kCache != KVCache::k16Bit && !kTokenPages;
+    static constexpr bool kTokenPages = kTokenPages_;
+    static_assert(!kTokenPages || kCache != KVCache::kFp8Sparse, "one-token pages: the dense caches");
+    static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
     // The 16-bit cache: the warps of a third warpgroup issue the page loads (SplitKVCta::run_loads),
     // so that the consumers only arrive on a barrier where a region of the page buffers is free.
-    static constexpr bool kLoaderWarps = !kProducer;
+    static constexpr bool kLoaderWarps = kCache == KVCache::k16Bit;
     // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
     static constexpr bool kQkFromLastTile = kCache == KVCache::kFp8;
     // The caller's precision: q and O.

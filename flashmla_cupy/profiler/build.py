@@ -137,8 +137,8 @@ def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = N
                      page_sizes: tuple[int, ...] = ()) -> list:
     """The programs a profile launches: for MLA the split-KV kernel of the cache's dtype (the
     profile's dtype names are the registry's tags: bf16, fp16, fp8; over the FP8 cache an e4m3 q,
-    ``q_dtype`` fp8, has a kernel of its own; a 16-bit cache in one-token pages too; with a bf16
-    q the narrow kernel's program as well, for shapes of at most 32 rows per KV head), the combine
+    ``q_dtype`` fp8, has a kernel of its own; ``ONE_TOKEN_PAGE_TAGS`` in one-token pages too; with
+    a bf16 q the narrow kernel's program as well, for shapes of at most 32 rows per KV head), the combine
     kernel of out's dtype (bf16 over the FP8 cache) and the metadata kernel; for sparse decoding
     the sparse FP8 split-KV kernel with the bf16 combine and the metadata kernel; for attention
     the minimal FlashAttention's. ``page_sizes``: the profile's (none: the default, 64)."""
@@ -150,7 +150,7 @@ def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = N
                             else (dtype_tag, out_dtype(dtype_tag)))
     if splitkv_tag == programs.FP8_TAG and q_dtype == FP8_Q:
         splitkv_tag = programs.FP8_Q_TAG
-    token_pages = splitkv_tag in programs.DTYPE_TAGS and 1 in page_sizes
+    token_pages = splitkv_tag in programs.ONE_TOKEN_PAGE_TAGS and 1 in page_sizes
     splitkv = [programs.splitkv_program(splitkv_tag, one_token_pages=True)] if token_pages else []
     if not token_pages or set(page_sizes) != {1}:
         splitkv.insert(0, programs.splitkv_program(splitkv_tag))
