@@ -297,7 +297,6 @@ class CallPlan(LaunchPlan):
             grid, smem = (1, a.h_kv, a.num_sm_parts), programs.FP8_NARROW_SMEM_BYTES
         else:
             splitkv_tag = (programs.FP8_Q_TAG if a.fp8_q else programs.FP8_TAG) if a.fp8_cache else tag
-            one_token_pages = one_token_pages and splitkv_tag in programs.ONE_TOKEN_PAGE_TAGS
             splitkv = launch.get_kernel(programs.splitkv_program(splitkv_tag, one_token_pages))
             # a warpgroup more: the 16-bit cache's loader warps, the FP8 cache's expander (fp8_expand.cuh)
             threads = SPLITKV_THREADS + PRODUCER_THREADS

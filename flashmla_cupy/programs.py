@@ -14,9 +14,8 @@ DTYPE_TAGS = ("bf16", "fp16")
 SPARSE_FP8_TAG = "fp8_sparse"      # DeepSeek-V3.2's sparse decoding over its 656-byte FP8 cache
 FP8_TAG = "fp8"                    # the dense e4m3 cache with one scale per tensor, bf16 q
 FP8_Q_TAG = "fp8q"                 # the same cache with an e4m3 q (QK^T in FP8 WGMMA)
-# Split-KV programs with a form for one-token pages (tokens copied with cp.async). Not FP8_TAG: its
-# consumers, which stage the pages, spill with the copies inlined (docs/perf-notes.md section 41).
-ONE_TOKEN_PAGE_TAGS = (*DTYPE_TAGS, FP8_Q_TAG)
+# Split-KV programs with a form for one-token pages (tokens copied with cp.async): all but the sparse one.
+ONE_TOKEN_PAGE_TAGS = (*DTYPE_TAGS, FP8_TAG, FP8_Q_TAG)
 _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 
 

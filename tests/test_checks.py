@@ -861,9 +861,9 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
         assert splitkv.block[0] == 384 and splitkv.grid == (1, 1, parts)
         assert splitkv.options["smem"] == programs.FP8_NARROW_SMEM_BYTES
     else:
-        # one-token pages: an e4m3 q's kernel has a form of its own (tokens copied with cp.async)
+        # one-token pages: a form of their own (tokens copied with cp.async)
         assert splitkv.program == programs.splitkv_program(programs.FP8_Q_TAG if e4m3_q else programs.FP8_TAG,
-                                                           one_token_pages=e4m3_q and page == 1)
+                                                           one_token_pages=page == 1)
         assert splitkv.block[0] == 384 and splitkv.grid == (-(-S_Q * h_q // 64), 1, parts)
     (q_address, q_dtype, q_shape, q_strides), q_kwargs = maps[-2]
     assert (q_address, q_shape) == (args["q"].data.ptr, (B, S_Q * h_q, 1, 576))

@@ -52,7 +52,8 @@ def test_seed_grid_with_e4m3_q(mean_sk, h_q, s_q):
     check_against_reference(inp, out, lse, True, "fp8q")
 
 
-PAGE_GRID = list(itertools.product([1, 2, 16, 32, 128, 256], [16, 128], [1, 2]))
+# h_q 16: the narrow kernel; 64 with s_q 1: one m-block (the split-KV kernel's loads-bound refills); 128: two.
+PAGE_GRID = list(itertools.product([1, 2, 16, 32, 128, 256], [16, 64, 128], [1, 2]))
 
 
 @pytest.mark.parametrize("page,h_q,s_q", PAGE_GRID, ids=[f"page{a}-hq{b}-sq{c}" for a, b, c in PAGE_GRID])
@@ -61,6 +62,21 @@ def test_seed_grid_at_page_size(page, h_q, s_q):
     inp = make_inputs(rng, seed_seqlens(rng, 64, 4096, s_q, True), s_q, h_q, 1, "fp8", page_size=page)
     out, lse = run_kernel(inp, causal=True)
     check_against_reference(inp, out, lse, True, "fp8")
+
+
+ONE_TOKEN_GRID = list(itertools.product(["fp8", "fp8q"], [(32, 1), (64, 1), (128, 2)]))
+
+
+@pytest.mark.parametrize("dtype,heads", ONE_TOKEN_GRID, ids=[f"{a}-hq{b[0]}-sq{b[1]}" for a, b in ONE_TOKEN_GRID])
+def test_one_token_pages_over_long_requests(dtype, heads):
+    """One-token pages, each request's tokens scattered over the cache: the split-KV kernel's forms
+    that copy tokens (a bf16 q's expander, an e4m3 q's consumers) across many page pairs and
+    requests, with the narrow kernel's (h_q 32, bf16 q) beside them."""
+    rng = np.random.default_rng()
+    h_q, s_q = heads
+    inp = make_inputs(rng, seed_seqlens(rng, 32, 8192, s_q, True), s_q, h_q, 1, dtype, page_size=1)
+    out, lse = run_kernel(inp, causal=True)
+    check_against_reference(inp, out, lse, True, dtype)
 
 
 # --- small and odd shapes: one m-block, pairs of m-blocks (clusters), an odd count ---------------

@@ -1650,13 +1650,14 @@ def test_a_profile_prebuilds_the_programs_it_launches():
     fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV and narrow kernels, bf16 out
     assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "fp8_narrow_mla", "mla_combine<bf16>", "mla_metadata"]
     assert [p.name for p in build.profile_programs("mla", "fp8", "fp8")][0] == "splitkv_mla<fp8q>"   # e4m3 q
-    # a 16-bit cache in one-token pages has a program of its own, and so has the FP8 cache's e4m3 q
+    # one-token pages have a program of their own (the narrow kernel has forms for them)
     pages = {sizes: [p.name for p in build.profile_programs("mla", "bf16", None, sizes)][:2]
              for sizes in ((1,), (1, 64), (16,))}
     assert pages == {(1,): ["splitkv_mla<bf16, page 1>", "mla_combine<bf16>"],
                      (1, 64): ["splitkv_mla<bf16>", "splitkv_mla<bf16, page 1>"],
                      (16,): ["splitkv_mla<bf16>", "mla_combine<bf16>"]}
-    assert [p.name for p in build.profile_programs("mla", "fp8", None, (1,))][0] == "splitkv_mla<fp8>"
+    assert [p.name for p in build.profile_programs("mla", "fp8", None, (1,))][:2] == ["splitkv_mla<fp8, page 1>",
+                                                                                     "fp8_narrow_mla"]
     assert [p.name for p in build.profile_programs("mla", "fp8", "fp8", (1,))][0] == "splitkv_mla<fp8q, page 1>"
     assert build.profile_programs("attention") == build.collect_programs("attention")
     registry = build.collect_programs()

@@ -3,7 +3,8 @@
 //
 // The seesaw frees a staged page's boxes before V_R (tiles 4-7): tiles 0-3 once V_L is consumed,
 // tile 8 once QK^T is done, which is where the consumers stage the page after next
-// (load_page_tiles<0, 4>).
+// (load_page_tiles<0, 4>), or at one-token pages announce it to the expander, which stages the
+// page itself before expanding it (SplitKVCta::stage_for_expander).
 //
 // Order, bf16 q: tile 8 (its own box) as soon as the bytes are in; then, once warpgroup 1
 // released V_R (bar_free; a request's first two pages are staged only after every consumer left

@@ -18,7 +18,8 @@
 // larger one: each piece is one TMA box per tile, issued by its own lane (load_page_tiles).
 // One-token pages (T::kTokenPages, a program of its own) are copied with cp.async instead: by
 // the loader lanes (load_token_tiles), or for the dense FP8 cache by the warps of the
-// warpgroup that stages the page (copy_staged_tokens).
+// warpgroup that stages the page (copy_staged_tokens): with an e4m3 q the consumers' warpgroup 0,
+// with a bf16 q the expander (stage_for_expander).
 //
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
@@ -263,6 +264,21 @@ struct SplitKVCta {
         cp_async_arrive_noinc(bar);
     }
 
+    // T::kExpanderStages (one-token pages, bf16 q): the expander stages page `page`, the `nth` of
+    // its request, itself, before expanding it: into buffer nth % 2 once warpgroup 0 announces that
+    // its region is free (refill: V_L and QK^T of the page two back done; the caller waits for a
+    // request's first two pages, wait_next_request). Where the consumers staged these pages, the
+    // copies inlined at each of their refill points spilled (docs/perf-notes.md section 41).
+    __device__ __forceinline__ void stage_for_expander(const int* table, int request, int seqlen, int page, int nth,
+                                                       uint32_t& refill_phases) const {
+        const int buf = nth & 1;
+        const int block = piece_block_id(table, request, seqlen, page, piece());   // read before the wait
+        if (nth >= 2) wait_refill(buf ? LoaderRefill::kV1Left : LoaderRefill::kV0Left, refill_phases);
+        const uint32_t bar = smem_u32(&st.bar_staged[buf]);
+        if (idx == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
+        copy_staged_tokens(bar, buf, block);
+    }
+
     // The 16-bit cache's one-token pages (T::kTokenPages), where TMA would take one
     // 128-byte box per token and tile (with boxes that small, page 1 took 2.3-2.7 times page 64's
     // time: docs/perf-notes.md section 38): tiles [kFirst, kLast) of the warp's 32 tokens
@@ -311,12 +327,12 @@ struct SplitKVCta {
     }
 
     // Tiles [kFirst, kLast) of page buffer `buf` are free here (the WGMMAs that read them are
-    // done): the 16-bit cache's loader warps refill them with page `page` once this warpgroup's
-    // first thread announces it (`which`); the FP8 cache's consumers stage the page themselves
-    // (`block`: their piece's cache block).
+    // done): the 16-bit cache's loader warps (or the expander, T::kExpanderStages) refill them
+    // with page `page` once this warpgroup's first thread announces it (`which`); otherwise the
+    // FP8 cache's consumers stage the page themselves (`block`: their piece's cache block).
     template <int kFirst, int kLast>
     __device__ __forceinline__ void refill(LoaderRefill which, int buf, int page, int block) const {
-        if constexpr (T::kLoaderWarps) {
+        if constexpr (!T::kConsumersLoad) {
             if (idx == 0) mbarrier_arrive(smem_u32(&st.bar_refill[int(which)]));
         } else if (loads_piece()) {
             load_page_tiles<kFirst, kLast>(buf, page, block, piece());
@@ -337,6 +353,20 @@ struct SplitKVCta {
     // the first takes piece 2k, of the second 2k + 1, so the 64 pieces of one-token pages are one a lane.
     __device__ __forceinline__ int loader_piece() const { return idx / 64 + 2 * (idx % 32); }
 
+    // Where the third warpgroup loads (T::kLoaderWarps, T::kExpanderStages): the consumers have
+    // announced refill `which` (bit i of `phases`: bar_refill[i]'s phase).
+    __device__ __forceinline__ void wait_refill(LoaderRefill which, uint32_t& phases) const {
+        const int i = int(which);
+        mbarrier_wait(smem_u32(&st.bar_refill[i]), (phases >> i) & 1);
+        phases ^= 1u << i;
+    }
+
+    // ... and Q and the page buffers are free for request `req`: the consumers are past the
+    // request before.
+    __device__ __forceinline__ void wait_next_request(int req, int begin_req) const {
+        if (req > begin_req) mbarrier_wait(smem_u32(&st.bar_next_request), (req - begin_req - 1) & 1);
+    }
+
     // The 16-bit cache's loads, issued by the third warpgroup, so that the consumers' warps never
     // spend their time on TMA issue: warps 0 and 2 load Q (warp 0), each request's first pages and
     // the refills warpgroup 0 announces (V0_L, V1_L), warps 1 and 3 those of warpgroup 1 (V1_R,
@@ -347,17 +377,11 @@ struct SplitKVCta {
         const int piece = loader_piece();
         const bool loads = is_piece(piece);
         uint32_t refill_phases = 0;                      // bit i: bar_refill[i]'s
-        auto wait_refill = [&](LoaderRefill which) {
-            const int i = int(which);
-            mbarrier_wait(smem_u32(&st.bar_refill[i]), (refill_phases >> i) & 1);
-            refill_phases ^= 1u << i;
-        };
         #pragma unroll 1
         for (int req = begin_req; req <= row.end_req; ++req) {
             const RequestSpan span = request_span<T>(p, m_block, req, row.range);
             const int* table = p.block_table + req * p.block_table_stride;
-            // Q and the page buffers are free once the consumers are past the request before.
-            if (req > begin_req) mbarrier_wait(smem_u32(&st.bar_next_request), (req - begin_req - 1) & 1);
+            wait_next_request(req, begin_req);
             if (role == 0) {
                 if (idx == 0) load_q(req);
                 if (loads) load_first_pages(req, span, piece);
@@ -368,18 +392,18 @@ struct SplitKVCta {
                 const int id2 = loads ? piece_block_id(table, req, span.seqlen, page + 2, piece) : 0;
                 const int id3 = loads && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, piece) : 0;
                 if (role == 0) {
-                    wait_refill(LoaderRefill::kV0Left);
+                    wait_refill(LoaderRefill::kV0Left, refill_phases);
                     if (loads) load_page_tiles<0, 4>(0, page + 2, id2, piece);
                     if (pair_follows) {
-                        wait_refill(LoaderRefill::kV1Left);
+                        wait_refill(LoaderRefill::kV1Left, refill_phases);
                         if (loads) load_page_tiles<0, 4>(1, page + 3, id3, piece);
                     }
                 } else {
                     if (pair_follows) {
-                        wait_refill(LoaderRefill::kV1Right);
+                        wait_refill(LoaderRefill::kV1Right, refill_phases);
                         if (loads) load_page_tiles<4, kTilesK>(1, page + 3, id3, piece);
                     }
-                    wait_refill(LoaderRefill::kV0Right);
+                    wait_refill(LoaderRefill::kV0Right, refill_phases);
                     if (loads) load_page_tiles<4, kTilesK>(0, page + 2, id2, piece);
                 }
             }
@@ -464,10 +488,10 @@ struct SplitKVCta {
         const int first_token = page * kBlockN;
         Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         // Block ids of the next pair, read now: their load latency overlaps the softmax and GEMMs
-        // instead of delaying the TMA requests that need them (the 16-bit cache's loader warps
-        // read their own).
+        // instead of delaying the TMA requests that need them (the 16-bit cache's loader warps,
+        // and the expander where it stages, read their own).
         int next_id0 = 0, next_id1 = 0;
-        if constexpr (!kLast0 && !kLast1 && !T::kLoaderWarps) {
+        if constexpr (!kLast0 && !kLast1 && T::kConsumersLoad) {
             if (loads_piece()) {
                 next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
                 if (!T::kE4m3Q && page + 3 < end_page) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
@@ -546,7 +570,7 @@ struct SplitKVCta {
         const int first_token = (page + 1) * kBlockN;
         Tensor pb = make_tensor<typename T::PElement>(typename T::LayoutFragP{});
         int next_id0 = 0, next_id1 = 0;                           // as in wg0_step
-        if constexpr (!kLast0 && !kLast1 && !T::kLoaderWarps) {
+        if constexpr (!kLast0 && !kLast1 && T::kConsumersLoad) {
             if (loads_piece()) {
                 next_id0 = piece_block_id(block_table, req, seqlen, page + 2);
                 if constexpr (!kLast2) next_id1 = piece_block_id(block_table, req, seqlen, page + 3);
@@ -686,7 +710,7 @@ struct SplitKVCta {
         // (Sparse requests are never bad.)
         if constexpr (!T::kLoaderWarps) {
             if (threadIdx.x == 0) load_q(begin_req);
-            if constexpr (T::kSeesaw) {
+            if constexpr (T::kSeesaw && T::kConsumersLoad) {
                 if (wg == 0 && loads_piece()) {
                     load_first_pages(begin_req, request_span<T>(p, m_block, begin_req, schedule(row).range), piece());
                 }
@@ -760,7 +784,9 @@ struct SplitKVCta {
                     if (threadIdx.x == 0) mbarrier_arrive(smem_u32(&st.bar_next_request));
                 } else {
                     if (threadIdx.x == 0) load_q(req + 1);
-                    if constexpr (T::kSeesaw) {
+                    if constexpr (T::kExpanderStages) {
+                        if (threadIdx.x == 0) mbarrier_arrive(smem_u32(&st.bar_next_request));
+                    } else if constexpr (T::kSeesaw) {
                         if (wg == 0 && loads_piece()) {
                             load_first_pages(req + 1, request_span<T>(p, m_block, req + 1, schedule(row).range), piece());
                         }
@@ -777,7 +803,9 @@ struct SplitKVCta {
             const long long split = (long long)p.num_splits[req] + (req == begin_req ? schedule(row).begin_split : 0);
             out.split_idx = span.whole ? -1 : static_cast<int>(split);
             const int bad_slot = req & 1;
-            out.bad = span.bad || st.bad_request[bad_slot];        // set before reduce_row_sums' barrier
+            // Flags set before reduce_row_sums' barrier, by the loader warps before bar_loads_issued,
+            // by the expander (T::kExpanderStages) before its arrivals on the pages' tiles.
+            out.bad = span.bad || st.bad_request[bad_slot];
             if (!span.whole && (split < 0 || split >= p.total_splits)) {
                 if (threadIdx.x == 0) report_error(p.error, FLASHMLA_ERROR_SCHEDULE, req, 0, static_cast<int>(split), p.total_splits);
                 out.num_rows = 0;                                   // nowhere valid to write
@@ -825,9 +853,9 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
         }
         for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), T::kTokenPages ? 1 + 128 : 1);
-        // 16-bit: a consumer warpgroup's first thread announces each refill and the end of a
-        // request; each of the four loader warps, a request's loads.
-        if constexpr (T::kLoaderWarps) {
+        // 16-bit (and kExpanderStages): a consumer warpgroup's first thread announces each refill
+        // and the end of a request; 16-bit: each of the four loader warps, a request's loads.
+        if constexpr (!T::kConsumersLoad) {
             for (auto& bar : st.bar_refill) mbarrier_init(smem_u32(&bar), 1);
             mbarrier_init(smem_u32(&st.bar_next_request), 1);
             mbarrier_init(smem_u32(&st.bar_loads_issued), 4);
@@ -863,13 +891,19 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
                 }
             } else {
                 Fp8Expander<T> expander(st);
+                uint32_t refill_phases = 0;                 // T::kExpanderStages: stage_for_expander
                 #pragma unroll 1
                 for (int req = begin_req; req <= cta.schedule(row).end_req; ++req) {
                     const RequestSpan span = request_span<T>(p, cta.m_block, req, cta.schedule(row).range);
+                    const int* table = p.block_table + req * p.block_table_stride;
+                    if constexpr (T::kExpanderStages) cta.wait_next_request(req, begin_req);
                     #pragma unroll 1
                     for (int page = span.first_page; page < span.end_page; ++page) {
-                        expander.expand_page((page - span.first_page) & 1, page - span.first_page,
-                                             span.seqlen - page * kBlockN);
+                        const int nth = page - span.first_page;
+                        if constexpr (T::kExpanderStages) {
+                            cta.stage_for_expander(table, req, span.seqlen, page, nth, refill_phases);
+                        }
+                        expander.expand_page(nth & 1, nth, span.seqlen - page * kBlockN);
                     }
                 }
             }

@@ -46,9 +46,14 @@ struct SplitKVTraits {
     static_assert(!kTokenPages || kCache != KVCache::kFp8Sparse, "one-token pages: the dense caches");
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
-    // The 16-bit cache: the warps of a third warpgroup issue the page loads (SplitKVCta::run_loads),
+    // Who loads the pages. The 16-bit cache: the warps of a third warpgroup (SplitKVCta::run_loads),
     // so that the consumers only arrive on a barrier where a region of the page buffers is free.
+    // The dense FP8 cache's one-token pages with a bf16 q: the expander, as it goes (the consumers
+    // announce the regions in the same way: SplitKVCta::stage_for_expander). Otherwise the
+    // consumers themselves, where a region is free.
     static constexpr bool kLoaderWarps = kCache == KVCache::k16Bit;
+    static constexpr bool kExpanderStages = kCache == KVCache::kFp8 && kTokenPages && !kE4m3Q;
+    static constexpr bool kConsumersLoad = !kLoaderWarps && !kExpanderStages;
     // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
     static constexpr bool kQkFromLastTile = kCache == KVCache::kFp8;
     // The caller's precision: q and O.
@@ -153,8 +158,9 @@ struct SplitKVTraits {
                                          // an e4m3 q: V^T buffer b)
         uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
-        uint64_t bar_refill[4];          // 16-bit: V0_L, V1_L, V0_R, V1_R may be refilled (LoaderRefill)
-        uint64_t bar_next_request;       // 16-bit: the request's Q and pages are done with
+        uint64_t bar_refill[4];          // 16-bit (and kExpanderStages): V0_L, V1_L, V0_R, V1_R may be
+                                         // refilled (LoaderRefill)
+        uint64_t bar_next_request;       // 16-bit (and kExpanderStages): the request's Q and pages are done with
         uint64_t bar_loads_issued;       // 16-bit: the loader warps have read the request's block ids
     };
     static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory plan exceeds the 227 KB per block");
@@ -173,7 +179,8 @@ __device__ __forceinline__ typename T::Element* transposed_v_buffer(typename T::
     return reinterpret_cast<typename T::Element*>(base);
 }
 
-// The 16-bit cache's refills, each announced by its consumer warpgroup on bar_refill[i].
+// The 16-bit cache's refills (kExpanderStages: V0_L and V1_L, where the page after next is
+// staged), each announced by its consumer warpgroup on bar_refill[i].
 enum class LoaderRefill : int { kV0Left, kV1Left, kV0Right, kV1Right };
 
 // Named barriers between the two warpgroups (0 is __syncthreads).
