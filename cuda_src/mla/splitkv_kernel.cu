@@ -18,8 +18,8 @@
 // larger one: each piece is one TMA box per tile, issued by its own lane (load_page_tiles).
 // One-token pages (T::kTokenPages, a program of its own) are copied with cp.async instead: by
 // the loader lanes (load_token_tiles), or for the dense FP8 cache by the warps of the
-// warpgroup that stages the page (copy_staged_tokens): with an e4m3 q the consumers' warpgroup 0,
-// with a bf16 q the expander (stage_for_expander).
+// warpgroup that stages the page (copy_staged_tokens): with an e4m3 q the consumer warpgroup
+// that frees it, with a bf16 q the expander (stage_for_expander).
 //
 // splitkv_softmax.cuh explains the shared running max; FlashMLA's deep-dive (docs/20250422-new-
 // kernel-deep-dive.md in its repository) explains the schedule.
