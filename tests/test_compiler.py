@@ -71,7 +71,7 @@ def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
     rules spills out even where a log had no report (spills live in the stack)."""
     cubins = compiler.build_many(programs.mla_programs(), ARCH)
     # NVRTC 12.6-12.8's ptxas spills a few values of the FP8 kernels' warpgroups after their
-    # register split (12.6.68 at 6f596ce: 88 B sparse, 40 B dense, 56 B e4m3 q, 64 B and 56 B
+    # register split (12.6.68: 88 B sparse, 40 B dense, 56 B e4m3 q, 24 B and 56 B
     # their one-token forms, 16 B the narrow kernel's WGMMA form; 0 from 12.9 on,
     # docs/perf-notes.md sections 14, 16, 17, 22 and 42); bounded so that a regression (the
     # sparse kernel's old split: 416 B) fails.

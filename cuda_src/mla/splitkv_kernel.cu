@@ -124,7 +124,8 @@ struct SplitKVCta {
     // block id ahead (piece_block_id) and issues its boxes (load_page_tiles). Consecutive pieces
     // go to different warps, so that small pages spread their TMA issue over all four.
     // (The 16-bit cache's loader warps: loader_piece.)
-    __device__ __forceinline__ int piece() const { return idx / 32 + 4 * (idx % 32); }
+    __device__ __forceinline__ static int piece_of(int thread) { return thread / 32 + 4 * (thread % 32); }
+    __device__ __forceinline__ int piece() const { return piece_of(idx); }
     __device__ __forceinline__ bool is_piece(int piece) const { return piece < (kBlockN >> p.piece_shift); }
     // The dense FP8 cache's one-token pages: every thread, to copy its warp's pieces (copy_staged_tokens).
     __device__ __forceinline__ bool loads_piece() const {
@@ -209,7 +210,7 @@ struct SplitKVCta {
                 const uint32_t dst = smem_u32(page_buf(buf)) + first_row * kFp8StagedRowBytes;
                 if (first_row == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
                 if constexpr (T::kTokenPages) {
-                    copy_staged_tokens(bar, buf, block);
+                    copy_staged_tokens(bar, buf, block, idx);
                     return;
                 }
                 CUTE_UNROLL
@@ -242,15 +243,16 @@ struct SplitKVCta {
     // swizzle as TMA stores them. Box 4's bytes past the 576-byte row are zeros, as TMA's fill, and
     // so are a token's past the request (block num_blocks). Each lane then accounts for its bytes
     // on `bar` and arrives there once its copies have landed (the barrier counts these 128
-    // arrivals: kernel prologue).
-    __device__ __forceinline__ void copy_staged_tokens(uint32_t bar, int buf, int block) const {
-        const int lane = idx % 32, chunk = lane % 8;
+    // arrivals: kernel prologue). `thread`: within the warpgroup (idx, or for the expander read
+    // afresh).
+    __device__ __forceinline__ void copy_staged_tokens(uint32_t bar, int buf, int block, int thread) const {
+        const int lane = thread % 32, chunk = lane % 8;
         const uint32_t page = smem_u32(page_buf(buf));
         const uint8_t* head = p.cache + kv_head * p.cache_head_stride + chunk * 16;
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
             const int source = lane / 8 + 4 * j;
-            const int id = __shfl_sync(0xffffffffu, block, source), row = idx / 32 + 4 * source;
+            const int id = __shfl_sync(0xffffffffu, block, source), row = thread / 32 + 4 * source;
             const bool inside = id < p.num_blocks;
             const uint8_t* src = head + (inside ? id : 0) * p.cache_block_stride;
             CUTE_UNROLL
@@ -272,11 +274,13 @@ struct SplitKVCta {
     __device__ __forceinline__ void stage_for_expander(const int* table, int request, int seqlen, int page, int nth,
                                                        uint32_t& refill_phases) const {
         const int buf = nth & 1;
-        const int block = piece_block_id(table, request, seqlen, page, piece());   // read before the wait
+        // The thread index read afresh, as everywhere in the expander's page loop (idx spilled).
+        const int thread = thread_index_here() % 128;
+        const int block = piece_block_id(table, request, seqlen, page, piece_of(thread));   // read before the wait
         if (nth >= 2) wait_refill(buf ? LoaderRefill::kV1Left : LoaderRefill::kV0Left, refill_phases);
         const uint32_t bar = smem_u32(&st.bar_staged[buf]);
-        if (idx == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
-        copy_staged_tokens(bar, buf, block);
+        if (thread == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
+        copy_staged_tokens(bar, buf, block, thread);
     }
 
     // The 16-bit cache's one-token pages (T::kTokenPages), where TMA would take one
