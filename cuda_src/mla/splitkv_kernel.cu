@@ -236,7 +236,7 @@ struct SplitKVCta {
 
     // The dense FP8 cache's one-token pages (T::kTokenPages), where TMA would take five boxes of
     // one row a token: every thread of the staging warpgroup enters (loads_piece), and each warp
-    // copies its 16 tokens (pieces; lane k < 16 holds piece idx / 32 + 4k's `block`), eight lanes
+    // copies its 16 tokens (pieces; lane k < 16 holds piece thread / 32 + 4k's `block`), eight lanes
     // to a token's row of each box and four tokens per instruction (cp.async, 16 bytes a copy;
     // copies of whole rows by each piece's thread, 16 tokens per instruction, were 6 % slower than
     // TMA: docs/perf-notes.md section 41), into the staged boxes of kv[buf] in their 128-byte
