@@ -62,12 +62,7 @@ __device__ __forceinline__ void copy_token_page(const SplitKVParams& p, uint32_t
         const bool inside = id < p.num_blocks;
         const uint8_t* src = head + (inside ? id : 0) * p.cache_block_stride;
         const uint32_t dst = (j % 2 ? next_dst : first_dst) + (j / 2) * 8 * kFp8StagedRowBytes;
-        #pragma unroll
-        for (int box = 0; box < kStagedBoxes; ++box) {
-            const bool in_row = box < kStagedBoxes - 1 || chunk * 16 < kHeadDimK % kFp8StagedRowBytes;
-            cp_async_16(dst + box * kStagedBoxBytes, src + (in_row ? box * kFp8StagedRowBytes : 0),
-                        inside && in_row ? 16 : 0);
-        }
+        copy_staged_chunks(src, inside, chunk, [&](int box) { return dst + box * kStagedBoxBytes; });
     }
     mbarrier_complete_tx(full, kStagedPageBytes / 128);             // 4 tokens x 5 boxes x 16 bytes
     cp_async_arrive_noinc(full);

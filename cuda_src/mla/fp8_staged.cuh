@@ -17,6 +17,7 @@
 #pragma once
 #include <cuda/std/cstdint>
 
+#include "common/sync.cuh"
 #include "common/tma.cuh"
 #include "mla/config.cuh"
 
@@ -30,6 +31,19 @@ static_assert(kFp8StagedRowBytes == kSwizzleRowBytes && kStagedBoxBytes == kFp16
 // Byte offset of staged box `box` in a page buffer (see above).
 __device__ __forceinline__ constexpr uint32_t staged_box_offset(int box) {
     return box < kStagedBoxes - 1 ? box * kStagedBoxBytes : kTilesV * kFp16TileBytes;
+}
+
+// One-token pages, where TMA would take five boxes a token: one token's chunk `chunk` (16 bytes)
+// of each box, from its 576-byte cache row at `row` (chunk * 16 into it) to `box_dst(box)`, with
+// cp.async. Box 4's bytes past the row, and every byte of a token outside the cache (`inside`
+// false), are zeros and read nothing, as TMA's fill.
+template <typename BoxDst>
+__device__ __forceinline__ void copy_staged_chunks(const uint8_t* row, bool inside, int chunk, BoxDst box_dst) {
+    #pragma unroll
+    for (int box = 0; box < kStagedBoxes; ++box) {
+        const bool in_row = box < kStagedBoxes - 1 || chunk * 16 < kHeadDimK % kFp8StagedRowBytes;
+        cp_async_16(box_dst(box), row + (in_row ? box * kFp8StagedRowBytes : 0), inside && in_row ? 16 : 0);
+    }
 }
 
 // An e4m3 q: a V^T buffer, half `half` (columns 256 half .. 256 half + 255) at half * its bytes;

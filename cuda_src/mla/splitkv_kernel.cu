@@ -255,12 +255,8 @@ struct SplitKVCta {
             const int id = __shfl_sync(0xffffffffu, block, source), row = thread / 32 + 4 * source;
             const bool inside = id < p.num_blocks;
             const uint8_t* src = head + (inside ? id : 0) * p.cache_block_stride;
-            CUTE_UNROLL
-            for (int box = 0; box < kStagedBoxes; ++box) {
-                const bool in_row = box < kStagedBoxes - 1 || chunk * 16 < kHeadDimK % kFp8StagedRowBytes;
-                cp_async_16(swizzled_chunk(page + staged_box_offset(box), row, chunk),
-                            src + (in_row ? box * kFp8StagedRowBytes : 0), inside && in_row ? 16 : 0);
-            }
+            copy_staged_chunks(src, inside, chunk,
+                               [&](int box) { return swizzled_chunk(page + staged_box_offset(box), row, chunk); });
         }
         mbarrier_complete_tx(bar, 4 * kStagedBoxes * 16);
         cp_async_arrive_noinc(bar);
