@@ -277,6 +277,7 @@ struct SplitKVCta {
         const uint32_t bar = smem_u32(&st.bar_staged[buf]);
         if (thread == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
         copy_staged_tokens(bar, buf, block, thread);
+        if (thread < 32) prefetch_token_page_ids(table, page + 2, seqlen, thread);
     }
 
     // The 16-bit cache's one-token pages (T::kTokenPages), where TMA would take one
@@ -371,7 +372,8 @@ struct SplitKVCta {
     // spend their time on TMA issue: warps 0 and 2 load Q (warp 0), each request's first pages and
     // the refills warpgroup 0 announces (V0_L, V1_L), warps 1 and 3 those of warpgroup 1 (V1_R,
     // V0_R), each in its warpgroup's order; a lane loads one piece (loader_piece). Block ids are
-    // read before each wait, so that their latency overlaps it.
+    // read before each wait, so that their latency overlaps it; at one-token pages warps 0 and 1
+    // have the ids of the pair after next fetched into L2 (prefetch_token_page_ids).
     __device__ __forceinline__ void run_loads(int begin_req, const SchedRow& row) const {
         const int role = (idx / 32) % 2, lane = idx % 32;
         const int piece = loader_piece();
@@ -391,6 +393,9 @@ struct SplitKVCta {
                 const bool pair_follows = page + 3 < span.end_page;
                 const int id2 = loads ? piece_block_id(table, req, span.seqlen, page + 2, piece) : 0;
                 const int id3 = loads && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, piece) : 0;
+                if constexpr (T::kTokenPages) {
+                    if (idx < 64) prefetch_token_page_ids(table, page + 4 + role, span.seqlen, lane);
+                }
                 if (role == 0) {
                     wait_refill(LoaderRefill::kV0Left, refill_phases);
                     if (loads) load_page_tiles<0, 4>(0, page + 2, id2, piece);
