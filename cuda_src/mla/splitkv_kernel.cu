@@ -278,6 +278,21 @@ struct SplitKVCta {
         if (thread == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
         copy_staged_tokens(bar, buf, block, thread);
         if (thread < 32) prefetch_token_page_ids(table, page + 2, seqlen, thread);
+        prefetch_token_page(table, seqlen, page + 1, thread);
+    }
+
+    // One-token pages of the dense FP8 cache: the rows of page `page`'s tokens fetched into L2 (the
+    // five 128-byte lines of a 576-byte row, threads t and t + 64 for token t % 64), where the expander's
+    // copies of that page, a page later, find them; issued while this page's copies land, which
+    // the expander waits for next. Its block ids are in L2 already (prefetch_token_page_ids). A bad
+    // id fetches nothing (it is flagged when the page is staged).
+    __device__ __forceinline__ void prefetch_token_page(const int* table, int seqlen, int page, int thread) const {
+        const int token = page * kBlockN + thread % kBlockN;
+        if (token >= seqlen) return;
+        const int id = table[token];
+        if (static_cast<unsigned>(id) >= static_cast<unsigned>(p.num_blocks)) return;
+        const uint8_t* row = p.cache + kv_head * p.cache_head_stride + id * p.cache_block_stride;
+        for (int line = thread / kBlockN; line * 128 < kHeadDimK; line += 2) prefetch_l2(row + 128 * line);   // a byte an element
     }
 
     // The 16-bit cache's one-token pages (T::kTokenPages), where TMA would take one
@@ -372,8 +387,7 @@ struct SplitKVCta {
     // spend their time on TMA issue: warps 0 and 2 load Q (warp 0), each request's first pages and
     // the refills warpgroup 0 announces (V0_L, V1_L), warps 1 and 3 those of warpgroup 1 (V1_R,
     // V0_R), each in its warpgroup's order; a lane loads one piece (loader_piece). Block ids are
-    // read before each wait, so that their latency overlaps it; at one-token pages warps 0 and 1
-    // have the ids of the pair after next fetched into L2 (prefetch_token_page_ids).
+    // read before each wait, so that their latency overlaps it.
     __device__ __forceinline__ void run_loads(int begin_req, const SchedRow& row) const {
         const int role = (idx / 32) % 2, lane = idx % 32;
         const int piece = loader_piece();
@@ -393,9 +407,6 @@ struct SplitKVCta {
                 const bool pair_follows = page + 3 < span.end_page;
                 const int id2 = loads ? piece_block_id(table, req, span.seqlen, page + 2, piece) : 0;
                 const int id3 = loads && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, piece) : 0;
-                if constexpr (T::kTokenPages) {
-                    if (idx < 64) prefetch_token_page_ids(table, page + 4 + role, span.seqlen, lane);
-                }
                 if (role == 0) {
                     wait_refill(LoaderRefill::kV0Left, refill_phases);
                     if (loads) load_page_tiles<0, 4>(0, page + 2, id2, piece);
