@@ -111,6 +111,12 @@ __device__ __forceinline__ void mbarrier_complete_tx(uint32_t bar, uint32_t byte
     asm volatile("mbarrier.complete_tx.shared::cta.relaxed.cta.b64 [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
 
+// Have L2 fetch the 128-byte line at `ptr`: nothing to wait for, no registers held; the loads that
+// follow a page or two later hit L2.
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
+}
+
 // --- cp.async (16-byte copies from global to shared memory, issued per thread) --------------
 
 // 16 bytes at `src` into shared `dst`; with `src_bytes` 0, zeros and nothing read.

@@ -74,7 +74,7 @@ __device__ __forceinline__ void copy_token_page(const SplitKVParams& p, uint32_t
 // which TMA fills with zeros without reading. A bad block id loads block 0 and flags the page.
 // kTokenPages (one-token pages): the four warps of the loading warpgroup each read every block
 // id of a page and copy a quarter of its tokens (copy_token_page); warp 0 alone flags and
-// announces the page.
+// announces the page, and has the ids of the page after next fetched into L2.
 template <bool kTokenPages>
 __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage& st, const SchedRow& row) {
     const int lane = threadIdx.x % 32, warp = kTokenPages ? threadIdx.x / 32 % 4 : 0;
@@ -87,21 +87,24 @@ __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage
         #pragma unroll 1
         for (int page = span.first_page; page < span.end_page; ++page, ++n) {
             const int stage = n % kFp8NarrowStages;
-            if (n >= kFp8NarrowStages) mbarrier_wait(smem_u32(&st.empty[stage]), (n / kFp8NarrowStages - 1) & 1);
+            // The page's block ids (pieces lane and lane + 32), both loads issued before either is
+            // checked (a check's error report would order them) and before the wait, so that their
+            // latency overlaps it.
+            const auto column = [&](int k) { return (page * kBlockN + ((lane + 32 * k) << p.piece_shift)) >> p.page_shift; };
+            const auto reads = [&](int k) {
+                return lane + 32 * k < pieces && page * kBlockN + ((lane + 32 * k) << p.piece_shift) < span.seqlen;
+            };
             int block[2];
+            #pragma unroll
+            for (int k = 0; k < 2; ++k) block[k] = reads(k) ? table[column(k)] : p.num_blocks;
+            if (n >= kFp8NarrowStages) mbarrier_wait(smem_u32(&st.empty[stage]), (n / kFp8NarrowStages - 1) & 1);
             bool bad = false;
             #pragma unroll
             for (int k = 0; k < 2; ++k) {
-                const int token = page * kBlockN + ((lane + 32 * k) << p.piece_shift);
-                block[k] = p.num_blocks;
-                if (lane + 32 * k < pieces && token < span.seqlen) {
-                    const int column = token >> p.page_shift;
-                    block[k] = table[column];
-                    if (static_cast<unsigned>(block[k]) >= static_cast<unsigned>(p.num_blocks)) {
-                        if (warp == 0) report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, req, column, block[k], p.num_blocks);
-                        block[k] = 0;
-                        bad = true;
-                    }
+                if (reads(k) && static_cast<unsigned>(block[k]) >= static_cast<unsigned>(p.num_blocks)) {
+                    if (warp == 0) report_error(p.error, FLASHMLA_ERROR_BLOCK_ID, req, column(k), block[k], p.num_blocks);
+                    block[k] = 0;
+                    bad = true;
                 }
             }
             const uint32_t full = smem_u32(&st.full[n % kNarrowGroups][stage]);   // the page's group's
@@ -113,6 +116,7 @@ __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage
             __syncwarp();
             if constexpr (kTokenPages) {
                 copy_token_page(p, stage_address(st, stage), full, block, warp);
+                if (warp == 0) prefetch_token_page_ids(table, page + 2, span.seqlen, lane);
                 continue;
             }
             #pragma unroll

@@ -48,12 +48,6 @@ __device__ __forceinline__ uint4 load_token_chunk(const uint8_t* ptr) {
     return v;
 }
 
-// Have L2 fetch the 128-byte line at `ptr`: nothing to wait for, no registers held; the loads that
-// follow a page or two later hit L2.
-__device__ __forceinline__ void prefetch_l2(const uint8_t* ptr) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
-}
-
 // The byte offset of a row without a token (zeros).
 constexpr int64_t kSkippedToken = -1;
 

@@ -277,6 +277,22 @@ struct SplitKVCta {
         const uint32_t bar = smem_u32(&st.bar_staged[buf]);
         if (thread == 0) mbarrier_arrive_expect_tx(bar, kStagedPageBytes);
         copy_staged_tokens(bar, buf, block, thread);
+        if (thread < 32) prefetch_token_page_ids(table, page + 2, seqlen, thread);
+        prefetch_token_page(table, seqlen, page + 1, thread);
+    }
+
+    // One-token pages of the dense FP8 cache: the rows of page `page`'s tokens fetched into L2 (the
+    // five 128-byte lines of a 576-byte row, threads t and t + 64 for token t % 64), where the expander's
+    // copies of that page, a page later, find them; issued while this page's copies land, which
+    // the expander waits for next. Its block ids are in L2 already (prefetch_token_page_ids). A bad
+    // id fetches nothing (it is flagged when the page is staged).
+    __device__ __forceinline__ void prefetch_token_page(const int* table, int seqlen, int page, int thread) const {
+        const int token = page * kBlockN + thread % kBlockN;
+        if (token >= seqlen) return;
+        const int id = table[token];
+        if (static_cast<unsigned>(id) >= static_cast<unsigned>(p.num_blocks)) return;
+        const uint8_t* row = p.cache + kv_head * p.cache_head_stride + id * p.cache_block_stride;
+        for (int line = thread / kBlockN; line * 128 < kHeadDimK; line += 2) prefetch_l2(row + 128 * line);   // a byte an element
     }
 
     // The 16-bit cache's one-token pages (T::kTokenPages), where TMA would take one

@@ -66,6 +66,15 @@ __device__ __forceinline__ RequestSpan dense_request_span(const SplitKVParams& p
     return r;
 }
 
+// One-token pages: the block-table entries of page `page` of a request of `seqlen` tokens (`table`:
+// its row; 64 entries, 256 bytes, on at most three 128-byte lines) fetched into L2 by lanes 0-2
+// of the calling warp, so that the loads of that page's block ids, a page or two later, hit L2
+// where they would wait for DRAM (docs/perf-notes.md section 43).
+__device__ __forceinline__ void prefetch_token_page_ids(const int* table, int page, int seqlen, int lane) {
+    const int token = page * kBlockN + min(32 * lane, kBlockN - 1);   // the first, 33rd and last entry
+    if (lane < 3 && token < seqlen) prefetch_l2(table + token);
+}
+
 // This CTA's row of the scheduler metadata (`meta`: its address; sched_row_here reads it again).
 struct SchedRow {
     int4 range;           // begin_req, begin_token, end_req, end_token
