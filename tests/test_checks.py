@@ -824,7 +824,7 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
 
 @pytest.mark.parametrize("h_q", [16, 32, 64])
 @pytest.mark.parametrize("e4m3_q", [False, True])
-@pytest.mark.parametrize("page", [1, 64, 256])
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
 def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, fake_gpu, monkeypatch):
     # FP8_CASES differ from these arguments in one argument only. The cache's bytes are staged
     # by TMA (a byte map, boxes of one piece's rows of 128 bytes); k_scale's address goes to the

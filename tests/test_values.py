@@ -80,6 +80,7 @@ BATCHES = {
     "sq2-hq128-page256-causal-fp16": Batch((900, 5, 3000, 257, 130, 1), 2, 128, 1, True, "fp16", 2, page_size=256),
     # the FP8 cache: its producer warpgroup reads the block table (alone, and in 2-CTA pairs)
     "sq1-hq16-fp8": Batch((100, 200, 300, 64, 0, 1000), 1, 16, 1, False, "fp8", 5),
+    "sq1-hq16-page16-fp8": Batch((100, 200, 17, 64, 0, 1000), 1, 16, 1, False, "fp8", 2, page_size=16),
     "sq2-hq128-page16-causal-fp8": Batch((900, 5, 2000, 64, 130, 1), 2, 128, 1, True, "fp8", 2, page_size=16),
     # ... and with an e4m3 q
     "sq2-hq64-page1-causal-fp8q": Batch((300, 5, 700, 64, 0, 129), 2, 64, 1, True, "fp8q", 5, page_size=1),

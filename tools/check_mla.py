@@ -6,8 +6,8 @@ One line per shape (max errors, cos_diff; the tests' criteria, flashmla_cupy.tes
 status 1 if any shape fails. Small enough to run under compute-sanitizer (tools/sanitize.sh uses
 --set sanitizer, and --set bad-values for memcheck).
 
-``--set bad-values`` (value checks "async"; --range slices its 9 items): for seven batches (three
-with pages of 1 and 256 tokens), every kind of bad length and block id
+``--set bad-values`` (value checks "async"; --range slices its 10 items): for eight batches (four
+with pages of 1, 16 and 256 tokens), every kind of bad length and block id
 (``flashmla_cupy.testing.bad_values``) in one request: the
 request's out and lse must be all NaN (they start finite), the others must match the reference,
 and ``check_errors()`` must raise the error naming the argument, index and value; a negative
@@ -70,6 +70,7 @@ SHAPES = {
         ([4096] * 2, 1, 128, 1, False, 32),
         ([129, 3000, 0, 900], 2, 32, 2, True, 256),
         ([1000, 1, 3000, 130], 2, 128, 1, True, 1),
+        ([300, 5000, 17, 0], 1, 16, 1, True, 16),
     ],
 }
 
@@ -83,6 +84,7 @@ BAD_VALUE_BATCHES = [
     ([100, 64, 1, 3, 0, 700], 1, 16, 1, False, 5, 1),      # pages of one token
     ([900, 5, 3000, 257, 130, 1], 2, 128, 1, True, 2, 256),
     ([1000, 5, 2000, 64, 130, 1], 2, 128, 1, True, 2, 1),   # one-token pages, two m-blocks (split-KV)
+    ([100, 200, 17, 64, 0, 1000], 1, 16, 1, False, 2, 16),  # 16-token pages (FP8, bf16 q: the narrow kernel)
 ]
 # Scheduler metadata of another batch (flashmla_cupy.testing.FOREIGN_METADATA): request 0 of
 # this batch is split and SM part 0 starts it, so the reported kinds always are.
