@@ -34,7 +34,7 @@
 #   SANITIZE_WARMUP      1 | 0: first a plain run, which also fills the cubin cache (default 1)
 #   SANITIZE_EXTRA_ARGS  more compute-sanitizer options for every tool (word-split)
 #   SANITIZE_RANGE       START:STOP, a slice of the set's items (check_mla --range; default all)
-#   SANITIZE_SET         check_mla's set for the TOOLs: sanitizer (default: 27 shapes) or
+#   SANITIZE_SET         check_mla's set for the TOOLs: sanitizer (default: 28 shapes) or
 #                        bad-values (e.g. SANITIZE_SET=bad-values tools/sanitize.sh LOGDIR memcheck)
 #   SANITIZE_BAD_VALUES  yes | no: with SANITIZE_SET=sanitizer and memcheck among the TOOLs, the
 #                        extra memcheck pass over all of --set bad-values (default yes)
