@@ -90,10 +90,9 @@ __device__ __forceinline__ void load_pages(const SplitKVParams& p, NarrowStorage
             // The page's block ids (pieces lane and lane + 32), both loads issued before either is
             // checked (a check's error report would order them) and before the wait, so that their
             // latency overlaps it.
-            const auto column = [&](int k) { return (page * kBlockN + ((lane + 32 * k) << p.piece_shift)) >> p.page_shift; };
-            const auto reads = [&](int k) {
-                return lane + 32 * k < pieces && page * kBlockN + ((lane + 32 * k) << p.piece_shift) < span.seqlen;
-            };
+            const auto token = [&](int k) { return page * kBlockN + ((lane + 32 * k) << p.piece_shift); };
+            const auto column = [&](int k) { return token(k) >> p.page_shift; };
+            const auto reads = [&](int k) { return lane + 32 * k < pieces && token(k) < span.seqlen; };
             int block[2];
             #pragma unroll
             for (int k = 0; k < 2; ++k) block[k] = reads(k) ? table[column(k)] : p.num_blocks;
