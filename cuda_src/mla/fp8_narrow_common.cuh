@@ -84,8 +84,9 @@ struct NarrowConsumerBase {
         : p(params), st(storage), group(threadIdx.x / 128), warp(threadIdx.x / 32 % kNarrowWarps),
           lane(threadIdx.x % 32), quad(lane % 4), quad_row(lane / 4), scale_log2(params.scale_log2 * *params.kv_scale) {}
 
-    // Page n is this group's; its P buffer and row-max slot alternate over the group's pages.
-    __device__ __forceinline__ bool page_is_mine() const { return n % kGroups == group; }
+    // Page n is group n % kGroups's: how many pages from n to this group's next; its P buffer and
+    // row-max slot alternate over the group's pages.
+    __device__ __forceinline__ int pages_to_mine() const { return (group + kGroups - n % kGroups) % kGroups; }
     __device__ __forceinline__ int buffer() const { return (n / kGroups) & 1; }
 
     __device__ __forceinline__ void sync_consumers(NarrowBarrier id) const {

@@ -157,12 +157,12 @@ __device__ __forceinline__ void consume_pages(Rows& rows, const SchedRow& row) {
         // Pages from `masked_page` on hold a masked token of some row, or the request's end.
         const int masked_page = (span.seqlen - (p.causal ? p.s_q - 1 : 0)) / kBlockN;
         bool bad = false;
+        // The group's pages of the request: every kGroups-th from its first (n counts every page).
+        const int end_n = rows.n + (span.end_page - span.first_page);
+        const int skip = rows.pages_to_mine();
+        rows.n += skip;
         #pragma unroll 1
-        for (int page = span.first_page; page < span.end_page; ++page) {
-            if (!rows.page_is_mine()) {
-                ++rows.n;
-                continue;
-            }
+        for (int page = span.first_page + skip; rows.n < end_n; page += Rows::kGroups, rows.n += Rows::kGroups) {
             const int stage = rows.n % kFp8NarrowStages;
             mbarrier_wait(smem_u32(&st.full[rows.group][stage]), (rows.n / kStageRound) & 1);
             bad |= st.bad_page[stage] != 0;
@@ -174,8 +174,8 @@ __device__ __forceinline__ void consume_pages(Rows& rows, const SchedRow& row) {
             }
             __syncwarp();
             if (rows.lane == 0) mbarrier_arrive(smem_u32(&st.empty[stage]));
-            ++rows.n;
         }
+        rows.n = end_n;
 
         float sums[Rows::kRowsPerThread];
         rows.reduce_sums(sums);
