@@ -117,10 +117,9 @@ def check_error(raised: str | None, start: str, value: int) -> None:
 
 
 def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_reference: bool, page_size=PAGE):
-    """One (ok, label, message) per bad value of ``request``."""
+    """One (ok, label, message) per bad value of ``request``, as each is checked."""
     if dtype in FP8_CASES and h_kv > 1:
-        return []                                   # the FP8 cache has one KV head
-    results = []
+        return                                      # the FP8 cache has one KV head
     base = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype, page_size=page_size)
     meta, splits = flashmla_cupy.get_mla_metadata(base.cache_seqlens, s_q * h_q // h_kv, h_kv)
     good_lengths, good_table = base.cache_seqlens.copy(), base.block_table.copy()
@@ -138,10 +137,9 @@ def check_bad_values(seqlens, s_q, h_q, h_kv, causal, request, dtype, rng, host_
             check_error(raised, bad.message, bad.value)
             check_result(base, bad, out, lse, causal, dtype, host_reference)
         except AssertionError as e:
-            results.append((False, label, str(e)))
+            yield False, label, str(e)
             continue
-        results.append((True, label, "NaN rows, others match, error raised"))
-    return results
+        yield True, label, "NaN rows, others match, error raised"
 
 
 def check_negative_length(dtype, rng, host_reference: bool):
@@ -169,10 +167,9 @@ def check_negative_length(dtype, rng, host_reference: bool):
 
 def check_foreign_metadata(dtype, rng, host_reference: bool):
     """Metadata of another batch: the kernels stay inside their arrays and report what they can;
-    a correct call afterwards is right."""
+    a correct call afterwards is right. One (ok, label, message) per edit, as each is checked."""
     seqlens, s_q, h_q, h_kv, causal = FOREIGN_BATCH
     inp = make_inputs(rng, seqlens, s_q, h_q, h_kv, dtype)
-    results = []
     for name, edit, reported in FOREIGN_METADATA:
         label = f"{dtype} b={len(seqlens)} s_q={s_q} h_q={h_q} metadata of another batch: {name}"
         with flashmla_cupy.value_checks("async"):
@@ -189,10 +186,9 @@ def check_foreign_metadata(dtype, rng, host_reference: bool):
             case, got = (inp.to_host(), (cupy.asnumpy(out), cupy.asnumpy(lse))) if host_reference else (inp, (out, lse))
             check_against_reference(case, *got, causal, dtype)
         except AssertionError as e:
-            results.append((False, label, str(e)))
+            yield False, label, str(e)
             continue
-        results.append((True, label, ("reported" if raised else "not reported") + "; the next correct call is right"))
-    return results
+        yield True, label, ("reported" if raised else "not reported") + "; the next correct call is right"
 
 
 # --set bad-values: (what, function(dtype, rng, host_reference) -> [(ok, label, message)])
@@ -235,9 +231,12 @@ def main() -> int:
         start, stop = (int(x) if x else None for x in args.range.split(":"))
         if args.set == "bad-values":
             for _, check_items in BAD_VALUE_SET[start:stop]:
-                for ok, label, msg in check_items(dtype, rng, args.host_reference):
+                begin = time.perf_counter()
+                for ok, label, msg in check_items(dtype, rng, args.host_reference):   # as each case ends
                     failures += not ok
-                    print(f"{'ok  ' if ok else 'FAIL'} {label:<70} {msg}", flush=True)
+                    now = time.perf_counter()
+                    print(f"{'ok  ' if ok else 'FAIL'} {label:<70} {msg} ({now - begin:.1f} s)", flush=True)
+                    begin = now
             continue
         for seqlens, s_q, h_q, h_kv, causal, *page in SHAPES[args.set][start:stop]:
             if dtype in FP8_CASES and h_kv > 1:
