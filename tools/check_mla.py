@@ -191,7 +191,7 @@ def check_foreign_metadata(dtype, rng, host_reference: bool):
         yield True, label, ("reported" if raised else "not reported") + "; the next correct call is right"
 
 
-# --set bad-values: (what, function(dtype, rng, host_reference) -> [(ok, label, message)])
+# --set bad-values: (what, function(dtype, rng, host_reference) -> (ok, label, message) per case, as each ends)
 BAD_VALUE_SET = [
     *((f"bad values b={len(b[0])}", lambda dtype, rng, host, b=b: check_bad_values(*b[:6], dtype, rng, host, *b[6:]))
       for b in BAD_VALUE_BATCHES),
