@@ -25,3 +25,16 @@ class Barrier:
 
     def passed(self, parity: int) -> bool:   # mbarrier.try_wait.parity
         return (self.phase & 1) != parity
+
+
+def failing_runs(run, times: int) -> int:
+    """How many of ``times`` calls of ``run()`` fail an assertion: a model catching a design that
+    the kernel does not have."""
+    failures = 0
+    for _ in range(times):
+        try:
+            run()
+        except AssertionError:
+            failures += 1
+    return failures
+

@@ -16,7 +16,7 @@ second test shows the model catching that order. Seeds: the ``rng`` fixture (tes
 from __future__ import annotations
 
 import numpy as np
-from barrier_model import Barrier
+from barrier_model import Barrier, failing_runs
 
 CONSUMER_WARPS, LOADER_WARPS = 8, 4
 
@@ -101,10 +101,5 @@ def test_kernel_handoff_never_hangs(rng):
 
 
 def test_wait_after_sums_hangs(rng):
-    hangs = 0
-    for _ in range(20):
-        try:
-            run_requests(rng, wait_before_sums=False)
-        except AssertionError:
-            hangs += 1
+    hangs = failing_runs(lambda: run_requests(rng, wait_before_sums=False), 20)
     assert hangs > 0, "the model no longer shows the wait after reduce_row_sums hanging"
