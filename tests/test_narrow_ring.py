@@ -13,36 +13,12 @@ so that the first one's passing means something. Seeds: the ``rng`` fixture (tes
 from __future__ import annotations
 
 import numpy as np
+from barrier_model import Barrier, failing_runs
 
 from flashmla_cupy import constants
 
 STAGES = constants.FP8_NARROW_STAGES
 GROUPS = constants.FP8_NARROW_THREADS // 128 - 1   # and a loading warpgroup
-
-
-class Barrier:
-    """An mbarrier: arrivals and transaction bytes complete a phase; waits test its parity."""
-
-    def __init__(self, count: int):
-        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
-
-    def arrive(self, tx: int = 0) -> None:
-        assert self.pending > 0, "an arrival on a phase that has none left"
-        self.pending -= 1
-        self.tx += tx
-        self._advance()
-
-    def complete_tx(self, tx: int) -> None:
-        self.tx -= tx
-        self._advance()
-
-    def _advance(self) -> None:
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def passed(self, parity: int) -> bool:   # mbarrier.try_wait.parity
-        return (self.phase & 1) != parity
 
 
 def run_ring(rng: np.random.Generator, full_per_group: bool, pages: int = 120) -> None:
@@ -95,10 +71,5 @@ def test_kernel_ring_never_reads_another_page(rng):
 
 
 def test_one_full_barrier_per_stage_fails(rng):
-    failures = 0
-    for _ in range(200):
-        try:
-            run_ring(rng, full_per_group=False)
-        except AssertionError:
-            failures += 1
+    failures = failing_runs(lambda: run_ring(rng, full_per_group=False), 200)
     assert failures > 0, "the model no longer shows the shared barrier's aliasing"

@@ -789,11 +789,15 @@ struct SplitKVCta {
                 epilogue_wg = tid / 128;
                 epilogue_idx = tid % 128;
             }
+            // The loader warps have set this request's bad-id flags and are past its loads. Every
+            // consumer warp waits before reduce_row_sums' barrier, so that the arrival on
+            // bar_next_request below comes after all of them: else the loaders could finish the
+            // next request (one without pages to wait for) and complete this barrier's next phase
+            // too, and a warp still to wait would find the parity of the phase after and hang
+            // (seen under compute-sanitizer, docs/perf-notes.md section 47).
+            if constexpr (T::kLoaderWarps) mbarrier_wait(smem_u32(&st.bar_loads_issued), (req - begin_req) & 1);
             float sums[2];
             reduce_row_sums<T>(rows, st, epilogue_wg, epilogue_idx, sums);   // all warps are past the mainloop
-            // The loader warps have set this request's bad-id flags (and are past its loads: the
-            // arrival below cannot overtake this wait's phase).
-            if constexpr (T::kLoaderWarps) mbarrier_wait(smem_u32(&st.bar_loads_issued), (req - begin_req) & 1);
             if (req < schedule(row).end_req) {
                 // Q and page buffers are free: the next request loads while this one is written out.
                 if constexpr (T::kLoaderWarps) {
