@@ -388,10 +388,15 @@ struct SplitKVCta {
     // the refills warpgroup 0 announces (V0_L, V1_L), warps 1 and 3 those of warpgroup 1 (V1_R,
     // V0_R), each in its warpgroup's order; a lane loads one piece (loader_piece). Block ids are
     // read before each wait, so that their latency overlaps it.
+    // Where a page is one piece (page_block_size >= 64), warps 2 and 3 load nothing and wait for
+    // no refill: the consumers' next announcement waits for the loads of the warps that issue
+    // them, not for these, which could fall two phases behind a refill barrier and wait for ever
+    // (the rule of docs/perf-notes.md sections 29, 30 and 47).
     __device__ __forceinline__ void run_loads(int begin_req, const SchedRow& row) const {
         const int role = (idx / 32) % 2, lane = idx % 32;
         const int piece = loader_piece();
         const bool loads = is_piece(piece);
+        const bool warp_loads = is_piece(idx / 64);      // its lane 0's piece, the warp's first
         uint32_t refill_phases = 0;                      // bit i: bar_refill[i]'s
         #pragma unroll 1
         for (int req = begin_req; req <= row.end_req; ++req) {
@@ -403,7 +408,7 @@ struct SplitKVCta {
                 if (loads) load_first_pages(req, span, piece);
             }
             #pragma unroll 1
-            for (int page = span.first_page; page + 2 < span.end_page; page += 2) {
+            for (int page = span.first_page; warp_loads && page + 2 < span.end_page; page += 2) {
                 const bool pair_follows = page + 3 < span.end_page;
                 const int id2 = loads ? piece_block_id(table, req, span.seqlen, page + 2, piece) : 0;
                 const int id3 = loads && pair_follows ? piece_block_id(table, req, span.seqlen, page + 3, piece) : 0;
