@@ -3,9 +3,12 @@ failure, a hang): what a single test run does not show.
 
     python tools/stress.py [--processes 40] [--dtype fp8] [--shapes 4096x8x1,4096x16x1,8192x8x2]
                            [--batch 128] [--calls 100] [--timeout 30] [--topk N] [--page-size P]
+                           [--lengths random|fixed]
 
 Each process (a new seed each): for every shape (s_k x h_q x s_q; one KV head, causal), cache
-lengths drawn from N(s_k, s_k / 2) (at least s_q), 10 calls back to back, then --calls calls each
+lengths drawn from N(s_k, s_k / 2) (at least s_q), or with ``--lengths fixed`` all s_k (the
+profiler's rows without varlen: the 16-bit kernel's hang of docs/perf-notes.md section 48 came
+there, 2 profiles in 25, at s_k 16384 and 64 rows), 10 calls back to back, then --calls calls each
 after a 256 MiB memset (the profiler's way of timing), one synchronization; it prints "ok", the
 error, or how many calls' out and lse differ bit for bit from the first call's (the kernels are
 deterministic: a difference is a race that did not crash). ``--topk N``: sparse decoding instead
@@ -27,7 +30,8 @@ import sys
 DEFAULT_SHAPES = "4096x8x1,4096x16x1,8192x8x2"
 
 
-def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: int, topk: int, page_size: int):
+def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: int, topk: int, page_size: int,
+             fixed_lengths: bool):
     """One default call of the shape, on fresh inputs."""
     import numpy as np
 
@@ -43,7 +47,8 @@ def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: in
         return lambda: flashmla_cupy.flash_mla_with_kvcache(x.q, x.k_cache, None, x.cache_seqlens, 512, md, ns,
                                                             is_fp8_kvcache=True, indices=x.indices,
                                                             attn_sink=x.attn_sink)
-    lens = np.maximum(rng.normal(s_k, s_k / 2, batch).astype(np.int64), s_q)
+    lens = (np.full(batch, s_k, dtype=np.int64) if fixed_lengths
+            else np.maximum(rng.normal(s_k, s_k / 2, batch).astype(np.int64), s_q))
     inp = testing.make_inputs(rng, lens, s_q, h_q, 1, dtype, spare_blocks=0, garbage_columns=0, page_size=page_size)
     md, ns = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
     return lambda: flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
@@ -51,7 +56,7 @@ def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: in
 
 
 def child(seed: int, dtype: str, shapes: list[tuple[int, int, int]], batch: int, calls: int, topk: int,
-          page_size: int) -> None:
+          page_size: int, fixed_lengths: bool) -> None:
     import os
 
     import cupy
@@ -62,7 +67,7 @@ def child(seed: int, dtype: str, shapes: list[tuple[int, int, int]], batch: int,
     stream = cupy.cuda.get_current_stream()
     bits = lambda a: a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)   # NaN == NaN, bit for bit
     for s_k, h_q, s_q in shapes:
-        call = call_for(seed, rng, dtype, batch, s_k, h_q, s_q, topk, page_size)
+        call = call_for(seed, rng, dtype, batch, s_k, h_q, s_q, topk, page_size, fixed_lengths)
         i = -1
         try:
             first = [bits(x).copy() for x in call()]
@@ -95,11 +100,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the first process's seed")
     ap.add_argument("--topk", type=int, default=0, help="sparse decoding, topk indices per query token")
     ap.add_argument("--page-size", type=int, default=64, help="dense cache: tokens per page (a power of two)")
+    ap.add_argument("--lengths", default="random", choices=["random", "fixed"],
+                    help="dense cache: each request's length drawn around s_k, or s_k for all")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child is not None:
-        child(args.child, args.dtype, shapes, args.batch, args.calls, args.topk, args.page_size)
+        child(args.child, args.dtype, shapes, args.batch, args.calls, args.topk, args.page_size,
+              args.lengths == "fixed")
         return 0
 
     failures = 0
@@ -107,7 +115,7 @@ def main() -> int:
         seed = args.seed + k
         cmd = [sys.executable, __file__, "--child", str(seed), "--dtype", args.dtype, "--shapes", args.shapes,
                "--batch", str(args.batch), "--calls", str(args.calls), "--topk", str(args.topk),
-               "--page-size", str(args.page_size)]
+               "--page-size", str(args.page_size), "--lengths", args.lengths]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             last_error = (done.stderr.strip().splitlines() or ["no output"])[-1]
