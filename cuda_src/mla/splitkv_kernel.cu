@@ -391,7 +391,7 @@ struct SplitKVCta {
     // Where a page is one piece (page_block_size >= 64), warps 2 and 3 load nothing and wait for
     // no refill: the consumers' next announcement waits for the loads of the warps that issue
     // them, not for these, which could fall two phases behind a refill barrier and wait for ever
-    // (the rule of docs/perf-notes.md sections 29, 30 and 47).
+    // (a hang in 2 of 25 bf16 profiles: docs/perf-notes.md section 48).
     __device__ __forceinline__ void run_loads(int begin_req, const SchedRow& row) const {
         const int role = (idx / 32) % 2, lane = idx % 32;
         const int piece = loader_piece();
