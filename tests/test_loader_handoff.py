@@ -19,7 +19,7 @@ reduce_row_sums' barrier (until session 37; the loaders could finish a next requ
 pages and complete the barrier's next phase before a slower warp waited: a hang under
 compute-sanitizer, section 47), and warps 2 and 3, which load nothing, waiting for the refills
 (until session 38; nothing the consumers wait for follows their waits, so they could fall two
-phases behind). Seeds: the ``rng`` fixture (tests/conftest.py).
+phases behind: a hang in 2 of 25 bf16 profiles, section 48). Seeds: the ``rng`` fixture (tests/conftest.py).
 """
 from __future__ import annotations
 
