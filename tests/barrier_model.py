@@ -37,4 +37,3 @@ def failing_runs(run, times: int) -> int:
         except AssertionError:
             failures += 1
     return failures
-
