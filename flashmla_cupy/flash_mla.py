@@ -22,6 +22,9 @@ workspace allocated through torch:
 So ``flash_mla_with_kvcache`` can be captured inside ``torch.cuda.graph`` the way inference
 engines capture decoding: inputs and metadata in static buffers, updated in place before each
 ``graph.replay()``.
+
+For code that mixes CuPy and torch (the profiler's torch targets): ``from_cupy``, ``cupy_stream``,
+``cupy_device`` and ``torch_unavailable`` at the end of the module.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import cupy
 from . import driver, mla
 from .constants import HEAD_DIM_V
 
-__all__ = ["get_mla_metadata", "flash_mla_with_kvcache"]
+__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "torch_unavailable", "from_cupy", "cupy_device", "cupy_stream"]
 
 _get_device = cupy.cuda.runtime.getDevice
 _set_device = cupy.cuda.runtime.setDevice
@@ -218,3 +221,36 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     finally:
         if previous != index:
             _set_device(previous)
+
+
+# --- CuPy arrays and streams in torch --------------------------------------------------------------
+# For code that mixes the two (the profiler's torch targets among them): torch is imported here,
+# so that this stays the one module of the package that uses it.
+
+def torch_unavailable() -> str | None:
+    """Why the functions above cannot run here (one line: torch not importable, or without CUDA), or None."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any import failure is the answer
+        text = str(e).strip()
+        return f"torch is not importable ({type(e).__name__}" + (f": {text.splitlines()[0]})" if text else ")")
+    if not torch.cuda.is_available():
+        return f"torch {getattr(torch, '__version__', '?')} has no CUDA device (a CPU-only build?)"
+    return None
+
+
+def from_cupy(array):
+    """A torch tensor viewing ``array``'s memory (DLPack, no copy)."""
+    return (_torch or _import_torch()).from_dlpack(array)
+
+
+def cupy_device(array):
+    """Context manager: CuPy array ``array``'s device is torch's current device inside."""
+    return (_torch or _import_torch()).cuda.device(array.device.id)
+
+
+def cupy_stream(stream):
+    """Context manager: torch's current stream is CuPy stream ``stream`` (of CuPy's current device)
+    inside, so that torch calls, CuPy's work and CUDA events on ``stream`` are ordered in one queue."""
+    torch = _torch or _import_torch()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=_get_device()))

@@ -6,6 +6,7 @@
   input and metadata buffers, rewritten in place before each replay (fresh q, cache pages, block
   table and lengths; metadata recomputed outside the graph and copied in), every output element
   checked against the float64 reference.
+* The helpers for code that mixes CuPy and torch: views, the device, one stream for both.
 * CPU tests (run everywhere): the module imports without torch and says what is missing when
   called; FlashMLA's signatures; tensors that are not on a CUDA device are refused.
 """
@@ -226,6 +227,31 @@ def test_dense_fp8_cache_from_torch_matches_the_cupy_call(dtype):
     assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(c_lse))
 
 
+@pytest.mark.gpu
+def test_cupy_arrays_and_streams_seen_from_torch():
+    """from_cupy views the CuPy array's memory; inside cupy_stream torch's work is queued on the
+    CuPy stream, ordered with CuPy's work there; cupy_device makes the array's device current."""
+    torch = _torch_with_cuda()
+    import cupy
+
+    from flashmla_cupy import flash_mla
+
+    assert flash_mla.torch_unavailable() is None
+    a0 = np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32)
+    a = cupy.asarray(a0)
+    view = flash_mla.from_cupy(a)
+    assert view.data_ptr() == a.data.ptr and view.device.index == a.device.id
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream, flash_mla.cupy_device(a), flash_mla.cupy_stream(stream):
+        assert torch.cuda.current_device() == a.device.id
+        assert torch.cuda.current_stream().cuda_stream == stream.ptr
+        a *= 2                       # CuPy, then torch, then CuPy on the one stream: no waits needed
+        view.add_(1)
+        b = a * 3
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(b), (a0 * np.float32(2) + np.float32(1)) * np.float32(3))
+
+
 def test_module_imports_without_torch_and_says_what_is_missing():
     code = (
         "import sys\n"
@@ -244,6 +270,17 @@ def test_module_imports_without_torch_and_says_what_is_missing():
     assert len(lines) == 2, result.stdout
     for line in lines:
         assert line.startswith("ImportError: flashmla_cupy.flash_mla works on torch tensors and needs PyTorch"), line
+
+
+def test_torch_unavailable_names_the_cause():
+    code = ("import sys\n"
+            "sys.modules['torch'] = None\n"
+            "import flashmla_cupy.flash_mla as m\n"
+            "print(m.torch_unavailable())\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(("torch is not importable (ImportError: ",
+                                             "torch is not importable (ModuleNotFoundError: ")), result.stdout
 
 
 def test_module_does_not_import_torch():

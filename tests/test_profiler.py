@@ -957,9 +957,9 @@ def torch_on_cpu(monkeypatch):
         dlpack_calls.append(x)
         return real_from_dlpack(x)
 
-    monkeypatch.setattr(targets, "_requires_torch", lambda: None)
-    monkeypatch.setattr(targets, "_torch_device", lambda inp: contextlib.nullcontext())
-    monkeypatch.setattr(targets, "_torch_on_stream", on_stream)
+    monkeypatch.setattr(targets.torch_drop_in, "torch_unavailable", lambda: None)
+    monkeypatch.setattr(targets.torch_drop_in, "cupy_device", lambda array: contextlib.nullcontext())
+    monkeypatch.setattr(targets.torch_drop_in, "cupy_stream", on_stream)
     monkeypatch.setattr(targets, "_as_cupy", lambda result: tuple(x.float().numpy() for x in result))
     monkeypatch.setattr(torch, "from_dlpack", from_dlpack)
     return torch, streams, dlpack_calls
@@ -1096,7 +1096,7 @@ def test_torch_and_flash_mla_targets_say_why_they_cannot_run(monkeypatch):
         for name, why in reasons().items():
             assert why == "torch 9.9+cpu has no CUDA device (a CPU-only build?)", (name, why)
 
-    monkeypatch.setattr(targets, "_requires_torch", lambda: None)      # torch fine from here on
+    monkeypatch.setattr(targets.torch_drop_in, "torch_unavailable", lambda: None)   # torch fine from here on
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "flash_mla", None)                      # FlashMLA not installed
         got = reasons()
@@ -1599,7 +1599,7 @@ def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsy
 
 def test_profile_torch_inputs_unavailable_exits_with_one_line(monkeypatch):
     monkeypatch.setattr(runner, "require_device", lambda config, need_hopper: FAKE_GPU)
-    monkeypatch.setattr(targets, "_requires_torch", lambda: "torch is not importable (stand-in)")
+    monkeypatch.setattr(targets.torch_drop_in, "torch_unavailable", lambda: "torch is not importable (stand-in)")
     with pytest.raises(SystemExit) as excinfo:
         cli.main(["profile", "--quick", "--inputs", "torch"])
     _assert_one_line_exit(excinfo, "--inputs torch", "torch is not importable (stand-in)")

@@ -26,6 +26,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import flash_mla as torch_drop_in   # importing it does not import torch
 from .shapes import FP8_CACHE, PAGE_BLOCK
 
 
@@ -82,18 +83,8 @@ def setup_flashmla(inp) -> Prepared:
     return Prepared(run, run())
 
 
-def _requires_torch() -> str | None:
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        return f"torch is not importable ({_first_line(e)})"
-    if not torch.cuda.is_available():
-        return f"torch {getattr(torch, '__version__', '?')} has no CUDA device (a CPU-only build?)"
-    return None
-
-
 def _requires_flashmla_torch() -> str | None:
-    why = _requires_torch()
+    why = torch_drop_in.torch_unavailable()
     if why:
         return why
     try:
@@ -107,25 +98,9 @@ def _torch_inputs(inp):
     """q, k_cache, block_table, cache_seqlens as torch tensors viewing the CuPy arrays' memory
     (DLPack, zero-copy), made once per shape and shared by the torch targets."""
     if inp.torch_views is None:
-        import torch
-        inp.torch_views = tuple(torch.from_dlpack(x) for x in
+        inp.torch_views = tuple(torch_drop_in.from_cupy(x) for x in
                                 (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens))
     return inp.torch_views
-
-
-def _torch_device(inp):
-    """Make the inputs' device torch's current one (setup runs outside the timed stream)."""
-    import torch
-    return torch.cuda.device(inp.q.device.id)
-
-
-def _torch_on_stream(stream):
-    """torch's current stream (and device) become the profiler's CuPy stream while timed, so the
-    torch calls, the CUDA events and the L2 flush are all on one stream."""
-    import cupy
-    import torch
-    device = cupy.cuda.runtime.getDevice()
-    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=device))
 
 
 def _as_cupy(result):
@@ -138,22 +113,18 @@ def setup_flashmla_torch(inp) -> Prepared:
     """The call torch users make: ``flashmla_cupy.flash_mla`` (FlashMLA's signatures, default
     arguments) on torch tensors, on torch's current stream; over the FP8 cache with its keywords,
     the scales as torch tensors viewing the CuPy ones."""
-    import torch
-
-    from .. import flash_mla
-
     s = inp.shape
     q, k_cache, block_table, seqlens = _torch_inputs(inp)
-    fp8 = inp.format_kwargs(torch.from_dlpack)
-    with _torch_device(inp):
-        meta, splits = flash_mla.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
+    fp8 = inp.format_kwargs(torch_drop_in.from_cupy)
+    with torch_drop_in.cupy_device(inp.q):    # setup runs outside the timed stream
+        meta, splits = torch_drop_in.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
 
         def run():
-            return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits,
+            return torch_drop_in.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits,
                                                     causal=s.causal, **fp8)
 
         result = _as_cupy(run())
-    return Prepared(run, result, on_stream=_torch_on_stream)
+    return Prepared(run, result, on_stream=torch_drop_in.cupy_stream)
 
 
 def import_real_flash_mla():
@@ -183,7 +154,7 @@ def flash_mla_api(fm) -> str:
 
 
 def _requires_real_flash_mla() -> str | None:
-    why = _requires_torch()
+    why = torch_drop_in.torch_unavailable()
     if why:
         return why
     try:
@@ -211,7 +182,7 @@ def setup_real_flash_mla(inp) -> Prepared:
     api = flash_mla_api(fm)
     s = inp.shape
     q, k_cache, block_table, seqlens = _torch_inputs(inp)
-    with _torch_device(inp):
+    with torch_drop_in.cupy_device(inp.q):    # setup runs outside the timed stream
         if api == "seed":
             meta, splits = fm.get_mla_metadata(seqlens, s.s_q * s.h_q // s.h_kv, s.h_kv)
         else:
@@ -221,7 +192,7 @@ def setup_real_flash_mla(inp) -> Prepared:
             return fm.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits, causal=s.causal)
 
         result = _as_cupy(run())           # upstream: this first call fills the scheduler metadata
-    return Prepared(run, result, notes=[_api_note(fm, api)], on_stream=_torch_on_stream)
+    return Prepared(run, result, notes=[_api_note(fm, api)], on_stream=torch_drop_in.cupy_stream)
 
 
 def _api_note(fm, api: str) -> str:
@@ -313,12 +284,10 @@ def _real_flash_mla_sparse_supports(shape) -> str | None:
 def setup_real_flash_mla_sparse(inp) -> Prepared:
     """FlashMLA's own sparse call on the same buffers (torch tensors), upstream API: the metadata is
     filled by this first call."""
-    import torch
-
     fm = import_real_flash_mla()
     s = inp.shape
-    q, k_cache, indices, sink = (torch.from_dlpack(x) for x in (inp.q, inp.k_cache, inp.indices, inp.attn_sink))
-    with _torch_device(inp):
+    q, k_cache, indices, sink = (torch_drop_in.from_cupy(x) for x in (inp.q, inp.k_cache, inp.indices, inp.attn_sink))
+    with torch_drop_in.cupy_device(inp.q):    # setup runs outside the timed stream
         meta = fm.get_mla_metadata()[0]
 
         def run():
@@ -326,7 +295,7 @@ def setup_real_flash_mla_sparse(inp) -> Prepared:
                                              indices=indices, attn_sink=sink)
 
         result = _as_cupy(run())
-    return Prepared(run, result, notes=[_api_note(fm, "upstream")], on_stream=_torch_on_stream)
+    return Prepared(run, result, notes=[_api_note(fm, "upstream")], on_stream=torch_drop_in.cupy_stream)
 
 
 SPARSE_TARGETS: dict[str, Target] = {
