@@ -166,9 +166,9 @@ class LaunchPlan:
                                interop.torch_dtype(np.dtype(np.float32)))
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
-        # (field offset, shape, byte strides, box rows, byte box columns, last address); byte box
-        # columns 0: a map of the plan's 16-bit dtype, 64 columns; else a byte map of e4m3
-        # values, boxes this many bytes wide (all with the 128-byte swizzle)
+        # (field offset, shape, byte strides, box rows, byte box columns, L2 promotion bytes, last
+        # address); byte box columns 0: a map of the plan's 16-bit dtype, 64 columns; else a byte
+        # map of e4m3 values, boxes this many bytes wide (all with the 128-byte swizzle)
         self._maps = [list(m) + [None] for m in maps]
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
@@ -243,13 +243,14 @@ class LaunchPlan:
     def _update_map(self, index: int, address: int) -> None:
         """Re-encode a tensor map only when its array's address changed."""
         entry = self._maps[index]
-        if entry[5] != address:
+        if entry[6] != address:
             if entry[4]:
-                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3], box_cols=entry[4])
+                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3], box_cols=entry[4],
+                                     l2_promotion=entry[5])
             else:
-                raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3])
+                raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3], l2_promotion=entry[5])
             ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
-            entry[5] = address
+            entry[6] = address
 
 
 # The dense caches' pointer fields: the sparse kernel's (indices .. attn_sink unused), the cache's
@@ -277,10 +278,12 @@ class CallPlan(LaunchPlan):
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
             q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
         # e4m3 values (an e4m3 q, the FP8 cache) are staged as rows of 128 bytes (fp8_staged.cuh)
-        maps = [(SplitKVParams.tma_q.offset, *q_map, FP8_STAGED_ROW_BYTES if a.fp8_q else 0)]
-        # a box is one piece of a page (kernel)
+        maps = [(SplitKVParams.tma_q.offset, *q_map, FP8_STAGED_ROW_BYTES if a.fp8_q else 0, 128)]
+        # A box is one piece of a page (kernel). Where several m-blocks' CTAs read each page, 256-byte
+        # L2 promotion takes ~1 % off the compute-bound rows; with one m-block it costs the
+        # memory-bound ones 0.5-1 % (docs/perf-notes.md section 49).
         maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
-                     FP8_STAGED_ROW_BYTES if a.fp8_cache else 0))
+                     FP8_STAGED_ROW_BYTES if a.fp8_cache else 0, 256 if a.q_rows > BLOCK_M else 128))
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
                          (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), maps, q_dtype=a.q_dtype)
 

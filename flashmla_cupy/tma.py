@@ -35,14 +35,15 @@ def _data_type(dtype: np.dtype):
 
 
 def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
-                 box: tuple[int, ...]) -> bytes:
+                 box: tuple[int, ...], l2_promotion: int = 128) -> bytes:
     """A tiled tensor map over ``dims`` (innermost first, that dimension contiguous), with the
     128-byte swizzle of the kernels' shared-memory tiles.
 
     ``strides_bytes`` are the byte strides of dims[1:], ``box`` the tile copied per TMA
     instruction. Out-of-bounds elements of a box read as zero and are not written on stores.
+    ``l2_promotion``: the bytes (64, 128 or 256) that the L2 fetches from DRAM per request of a box.
     """
-    key = (address, np.dtype(dtype).str, dims, strides_bytes, box)
+    key = (address, np.dtype(dtype).str, dims, strides_bytes, box, l2_promotion)
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
@@ -58,7 +59,7 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
         [drv.cuuint32_t(1)] * rank,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        getattr(drv.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_L2_{l2_promotion}B"),
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     ))
     raw = ctypes.string_at(tensor_map.getPtr(), 128)
@@ -70,7 +71,7 @@ def encode_tiled(address: int, dtype, dims: tuple[int, ...], strides_bytes: tupl
 
 
 def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
-               box_rows: int = 64, box_cols: int = 64) -> bytes:
+               box_rows: int = 64, box_cols: int = 64, l2_promotion: int = 128) -> bytes:
     """Tensor map of a 4-D array ``[outer][rows][heads][cols]`` (last dim contiguous) at
     ``address``, given its shape and byte strides.
 
@@ -81,4 +82,4 @@ def rows_4d_at(address: int, dtype, shape: tuple, strides_bytes: tuple,
     outer, rows, heads, cols = shape
     s_outer, s_rows, s_heads, _ = strides_bytes
     return encode_tiled(address, dtype, (cols, rows, heads, outer), (s_rows, s_heads, s_outer),
-                        (box_cols, box_rows, 1, 1))
+                        (box_cols, box_rows, 1, 1), l2_promotion)

@@ -822,7 +822,7 @@ def test_fp8_call_rejects(change, error, message, fake_gpu):
     assert fake_gpu.launches == []
 
 
-@pytest.mark.parametrize("h_q", [16, 32, 64])
+@pytest.mark.parametrize("h_q", [16, 32, 64, 128])
 @pytest.mark.parametrize("e4m3_q", [False, True])
 @pytest.mark.parametrize("page", [1, 16, 64, 256])
 def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, fake_gpu, monkeypatch):
@@ -869,12 +869,13 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
     assert (q_address, q_shape) == (args["q"].data.ptr, (B, S_Q * h_q, 1, 576))
     if e4m3_q:
         assert np.dtype(q_dtype) == np.uint8 and q_strides == (S_Q * h_q * 576, 576, S_Q * h_q * 576, 1)
-        assert q_kwargs == {"box_rows": 64, "box_cols": 128}
+        assert q_kwargs == {"box_rows": 64, "box_cols": 128, "l2_promotion": 128}
     else:
-        assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64}
+        assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64, "l2_promotion": 128}
     (address, dtype, shape, strides), kwargs = maps[-1]
     assert (address, np.dtype(dtype), shape) == (args["k_cache"].data.ptr, np.uint8, (NUM_BLOCKS, page, 1, 576))
-    assert kwargs == {"box_rows": min(page, 64), "box_cols": 128}
+    # 256-byte L2 promotion where several m-blocks' CTAs read each page
+    assert kwargs == {"box_rows": min(page, 64), "box_cols": 128, "l2_promotion": 256 if S_Q * h_q > 64 else 128}
     assert (p.o, p.lse, combine.params.o) == (out.data.ptr, lse.data.ptr, out.data.ptr)
 
 
