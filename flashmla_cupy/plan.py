@@ -139,6 +139,20 @@ def pointer_run(struct_type, names) -> tuple[int, str]:
     return offsets[0], f"<{len(names)}Q"
 
 
+@dataclasses.dataclass
+class TensorMapField:
+    """A TMA tensor map in the split-KV parameters (``tma.rows_4d_at``), encoded again only when
+    its array's address changes."""
+    offset: int                      # of the field in SplitKVParams
+    shape: tuple                     # [outer][rows][heads][cols]
+    strides: tuple                   # bytes
+    box_rows: int
+    box_bytes: int = 0               # 0: the plan's 16-bit dtype, boxes 64 columns wide; else e4m3
+                                     # values, boxes this many bytes wide (128-byte swizzle in all)
+    l2_promotion: int = 128          # bytes the L2 fetches per box row (docs/perf-notes.md section 49)
+    address: int | None = None       # of the array last encoded
+
+
 class LaunchPlan:
     """What the dense and the sparse call plans share: device, stream, error record, the
     outputs' layouts, the default workspace, the tensor maps, and the start of every run
@@ -166,10 +180,7 @@ class LaunchPlan:
                                interop.torch_dtype(np.dtype(np.float32)))
         self.workspace_signature = (self.device_id, *workspace_signature, dtype)
         self._own_workspace = None
-        # (field offset, shape, byte strides, box rows, byte box columns, L2 promotion bytes, last
-        # address); byte box columns 0: a map of the plan's 16-bit dtype, 64 columns; else a byte
-        # map of e4m3 values, boxes this many bytes wide (all with the 128-byte swizzle)
-        self._maps = [list(m) + [None] for m in maps]
+        self._maps: list[TensorMapField] = maps
         self.splitkv = self.combine = None     # prepared on the first run, after the outputs' checks
         self._lock = threading.Lock()
 
@@ -242,15 +253,13 @@ class LaunchPlan:
 
     def _update_map(self, index: int, address: int) -> None:
         """Re-encode a tensor map only when its array's address changed."""
-        entry = self._maps[index]
-        if entry[6] != address:
-            if entry[4]:
-                raw = tma.rows_4d_at(address, np.uint8, entry[1], entry[2], box_rows=entry[3], box_cols=entry[4],
-                                     l2_promotion=entry[5])
-            else:
-                raw = tma.rows_4d_at(address, self.dtype, entry[1], entry[2], box_rows=entry[3], l2_promotion=entry[5])
-            ctypes.memmove(self.splitkv.params_address + entry[0], raw, len(raw))
-            entry[6] = address
+        m = self._maps[index]
+        if m.address != address:
+            dtype, box_cols = (np.uint8, m.box_bytes) if m.box_bytes else (self.dtype, 64)
+            raw = tma.rows_4d_at(address, dtype, m.shape, m.strides, box_rows=m.box_rows, box_cols=box_cols,
+                                 l2_promotion=m.l2_promotion)
+            ctypes.memmove(self.splitkv.params_address + m.offset, raw, len(raw))
+            m.address = address
 
 
 # The dense caches' pointer fields: the sparse kernel's (indices .. attn_sink unused), the cache's
@@ -273,19 +282,20 @@ class CallPlan(LaunchPlan):
         self.q_in_place = a.h_kv == 1 and (a.s_q == 1 or s_s == a.h_q * s_h) and s_b % 16 == 0 and s_h % 16 == 0
         esize = a.q_dtype.itemsize
         if self.q_in_place:
-            q_map = ((a.batch, a.q_rows, 1, HEAD_DIM_K), (s_b, s_h, s_h * a.q_rows, esize), BLOCK_M)
+            q_layout = ((a.batch, a.q_rows, 1, HEAD_DIM_K), (s_b, s_h, s_h * a.q_rows, esize))
         else:
             rows = (a.batch, a.q_rows, a.h_kv, HEAD_DIM_K)
-            q_map = (rows, _contiguous_strides(rows, esize), BLOCK_M)
+            q_layout = (rows, _contiguous_strides(rows, esize))
         # e4m3 values (an e4m3 q, the FP8 cache) are staged as rows of 128 bytes (fp8_staged.cuh)
-        maps = [(SplitKVParams.tma_q.offset, *q_map, FP8_STAGED_ROW_BYTES if a.fp8_q else 0, 128)]
+        q_map = TensorMapField(SplitKVParams.tma_q.offset, *q_layout, BLOCK_M, FP8_STAGED_ROW_BYTES if a.fp8_q else 0)
         # A box is one piece of a page (kernel). Where several m-blocks' CTAs read each page, 256-byte
-        # L2 promotion takes ~1 % off the compute-bound rows; with one m-block it costs the
-        # memory-bound ones 0.5-1 % (docs/perf-notes.md section 49).
-        maps.append((SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides, min(a.k_cache_shape[1], BLOCK_N),
-                     FP8_STAGED_ROW_BYTES if a.fp8_cache else 0, 256 if a.q_rows > BLOCK_M else 128))
+        # L2 promotion takes 0.4-0.9 % off the compute-bound rows; with one m-block it costs the
+        # memory-bound ones 0.5-1.2 % (docs/perf-notes.md section 49).
+        kv_map = TensorMapField(SplitKVParams.tma_kv.offset, a.k_cache_shape, a.k_cache_strides,
+                                min(a.k_cache_shape[1], BLOCK_N), FP8_STAGED_ROW_BYTES if a.fp8_cache else 0,
+                                l2_promotion=256 if a.q_rows > BLOCK_M else 128)
         super().__init__(stream_ptr, family, a.dtype, (a.batch, a.s_q, a.h_q, HEAD_DIM_V), (a.batch, a.h_q, a.s_q),
-                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), maps, q_dtype=a.q_dtype)
+                         (a.batch, a.s_q, a.h_q, a.h_kv, a.num_sm_parts), [q_map, kv_map], q_dtype=a.q_dtype)
 
     def _prepare_launches(self) -> None:
         """Load (compiling on first use) the kernels and prebuild both launches."""

@@ -20,7 +20,7 @@ from . import checks, errors, launch, programs, scheduler
 from .constants import BLOCK_M, COMBINE_WARPS, FP8_TOKEN_BYTES, HEAD_DIM_K, HEAD_DIM_V, SCHED_META_INTS, \
     PRODUCER_THREADS, SPLITKV_THREADS
 from .params import CombineParams, SplitKVParams
-from .plan import COMBINE_POINTERS, SPLITKV_POINTERS, LaunchPlan, pointer_run
+from .plan import COMBINE_POINTERS, SPLITKV_POINTERS, LaunchPlan, TensorMapField, pointer_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class SparsePlan(LaunchPlan):
             (a.h_q * HEAD_DIM_K * 2, HEAD_DIM_K * 2, a.h_q * HEAD_DIM_K * 2, 2)
         super().__init__(stream_ptr, family, checks.bfloat16(), (a.batch, a.s_q, a.h_q, HEAD_DIM_V),
                          (a.batch, a.h_q, a.s_q), (a.requests, 1, a.h_q, 1, a.num_sm_parts),
-                         [(SplitKVParams.tma_q.offset, rows, q_strides, BLOCK_M, 0, 128)])
+                         [TensorMapField(SplitKVParams.tma_q.offset, rows, q_strides, BLOCK_M)])
 
     def _prepare_launches(self) -> None:
         a = self.inputs

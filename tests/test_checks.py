@@ -752,6 +752,35 @@ def test_dense_call_gives_the_kernel_the_caches_bytes(fake_gpu, monkeypatch, pag
     assert (p.kv_scale, p.q_scale, p.indices, p.topk_length, p.attn_sink) == (0, 0, 0, 0, 0)
 
 
+def test_tensor_maps_are_encoded_again_only_for_a_new_address(fake_gpu, monkeypatch):
+    # The plan keeps each map's last address: a call with the same q and cache encodes nothing, a
+    # new cache array its map alone, written into the prebuilt launch's parameters.
+    from flashmla_cupy import tma
+
+    encoded = []
+    monkeypatch.setattr(tma, "rows_4d_at", lambda address, *args, **kwargs: encoded.append(address) or
+                        address.to_bytes(8, "little") * 16)
+    a = fake_gpu.arrays
+    args = mla_args(a)
+    ws = mla.MLAWorkspace(B, S_Q, H_Q, H_KV, args["tile_scheduler_metadata"].shape[0], BF16,
+                          alloc=lambda n: a.empty((n,), np.uint8))
+    q_address = None
+    for call, new_cache in enumerate((False, False, True)):
+        if new_cache:                                     # fake arrays all start at one address
+            args["k_cache"] = a.empty(args["k_cache"].shape, BF16, offset=512)
+        encoded.clear()
+        MLA(**args, workspace=ws)
+        k_address = args["k_cache"].data.ptr
+        if call == 0:
+            assert len(encoded) == 2 and encoded[1] == k_address      # Q (in place or in the workspace), cache
+            q_address = encoded[0]
+        else:
+            assert encoded == ([k_address] if new_cache else []), call
+        p = fake_gpu.launches[-2].params
+        assert bytes(p.tma_kv)[:8] == k_address.to_bytes(8, "little")
+        assert bytes(p.tma_q)[:8] == q_address.to_bytes(8, "little")
+
+
 # --------------------------------------------------------------------------------------------
 # The dense FP8 cache (is_fp8_kvcache=True with k_scale, no indices): bad arguments, before any launch
 # --------------------------------------------------------------------------------------------
@@ -871,7 +900,7 @@ def test_fp8_call_launches_the_fp8_kernel_with_its_pointers(page, e4m3_q, h_q, f
         assert np.dtype(q_dtype) == np.uint8 and q_strides == (S_Q * h_q * 576, 576, S_Q * h_q * 576, 1)
         assert q_kwargs == {"box_rows": 64, "box_cols": 128, "l2_promotion": 128}
     else:
-        assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64, "l2_promotion": 128}
+        assert np.dtype(q_dtype) == BF16 and q_kwargs == {"box_rows": 64, "box_cols": 64, "l2_promotion": 128}
     (address, dtype, shape, strides), kwargs = maps[-1]
     assert (address, np.dtype(dtype), shape) == (args["k_cache"].data.ptr, np.uint8, (NUM_BLOCKS, page, 1, 576))
     # 256-byte L2 promotion where several m-blocks' CTAs read each page
