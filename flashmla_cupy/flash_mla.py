@@ -33,7 +33,8 @@ import cupy
 from . import driver, mla
 from .constants import HEAD_DIM_V
 
-__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "torch_unavailable", "from_cupy", "cupy_device", "cupy_stream"]
+__all__ = ["get_mla_metadata", "flash_mla_with_kvcache",
+           "torch_unavailable", "from_cupy", "cupy_device", "cupy_stream"]
 
 _get_device = cupy.cuda.runtime.getDevice
 _set_device = cupy.cuda.runtime.setDevice

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("b", help="the version measured against it (the same forms)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of A, B, B, A (default 3)")
     ap.add_argument("--dtype", default="bf16,fp8", help="profile --dtype values, comma separated (default bf16,fp8)")
-    ap.add_argument("--out", type=Path, default=Path("ab_profile"), help="CSVs, logs and summary.txt (default ./ab_profile)")
+    ap.add_argument("--out", type=Path, default=Path("ab_profile"),
+                    help="CSVs, logs and summary.txt (default ./ab_profile)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one profile may take (default 300)")
     args = ap.parse_args(argv)
     if args.rounds < 1:

@@ -121,7 +121,7 @@ def setup_flashmla_torch(inp) -> Prepared:
 
         def run():
             return torch_drop_in.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, s.dv, meta, splits,
-                                                    causal=s.causal, **fp8)
+                                                        causal=s.causal, **fp8)
 
         result = _as_cupy(run())
     return Prepared(run, result, on_stream=torch_drop_in.cupy_stream)
