@@ -31,11 +31,18 @@ import sys
 DEFAULT_SHAPES = "4096x8x1,4096x16x1,8192x8x2"
 
 
+def cache_lengths(rng, batch: int, s_k: int, fixed: bool):
+    """Each request's cache length: s_k for all, or drawn from N(s_k, s_k / 2) and at least 0."""
+    import numpy as np
+
+    if fixed:
+        return np.full(batch, s_k, dtype=np.int64)
+    return np.maximum(rng.normal(s_k, s_k / 2, batch).astype(np.int64), 0)
+
+
 def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: int, topk: int, page_size: int,
              fixed_lengths: bool):
     """One default call of the shape, on fresh inputs."""
-    import numpy as np
-
     import flashmla_cupy
     from flashmla_cupy import testing
 
@@ -48,9 +55,8 @@ def call_for(seed: int, rng, dtype: str, batch: int, s_k: int, h_q: int, s_q: in
         return lambda: flashmla_cupy.flash_mla_with_kvcache(x.q, x.k_cache, None, x.cache_seqlens, 512, md, ns,
                                                             is_fp8_kvcache=True, indices=x.indices,
                                                             attn_sink=x.attn_sink)
-    lens = (np.full(batch, s_k, dtype=np.int64) if fixed_lengths
-            else np.maximum(rng.normal(s_k, s_k / 2, batch).astype(np.int64), 0))
-    inp = testing.make_inputs(rng, lens, s_q, h_q, 1, dtype, spare_blocks=0, garbage_columns=0, page_size=page_size)
+    inp = testing.make_inputs(rng, cache_lengths(rng, batch, s_k, fixed_lengths), s_q, h_q, 1, dtype, spare_blocks=0,
+                              garbage_columns=0, page_size=page_size)
     md, ns = flashmla_cupy.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
     return lambda: flashmla_cupy.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512,
                                                         md, ns, causal=True, **inp.cache_kwargs())
