@@ -34,7 +34,7 @@ import cupy
 import numpy as np
 
 import flashmla_cupy
-from flashmla_cupy import mla
+from flashmla_cupy import flash_mla, mla   # flash_mla imports torch only when used
 from flashmla_cupy.testing import DTYPES
 
 
@@ -87,11 +87,9 @@ def _calls(kind, batch, seqlen, h_q, s_q, dtype, topk):
     q, k_cache, block_table, seqlens, options = inputs(batch, seqlen, h_q, s_q, dtype, topk)
     sparse = dict(num_heads_q=h_q, is_fp8_kvcache=True, topk=topk) if topk else {}
     if kind == "torch":
-        import torch
-        from flashmla_cupy import flash_mla
-        q, k_cache, block_table, seqlens = (None if x is None else torch.from_dlpack(x)
+        q, k_cache, block_table, seqlens = (None if x is None else flash_mla.from_cupy(x)
                                             for x in (q, k_cache, block_table, seqlens))
-        options = {k: torch.from_dlpack(v) if isinstance(v, cupy.ndarray) else v for k, v in options.items()}
+        options = {k: flash_mla.from_cupy(v) if isinstance(v, cupy.ndarray) else v for k, v in options.items()}
         meta, splits = flash_mla.get_mla_metadata(seqlens, s_q * h_q, 1, **sparse)
         return (lambda: flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits,
                                                          **options)), meta, splits
@@ -182,17 +180,10 @@ def main() -> None:
                       + (f" {r['splitkv']:>11.1f} {r['combine']:>11.1f}" if args.kernels else ""), flush=True)
 
 
-@contextlib.contextmanager
 def _torch_on(stream):
-    """torch's current stream = ``stream`` (when torch is installed), so that every way of calling
+    """torch's current stream = ``stream`` (where torch can run), so that every way of calling
     runs on the stream the events time."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
-        yield
+    return contextlib.nullcontext() if flash_mla.torch_unavailable() else flash_mla.cupy_stream(stream)
 
 
 if __name__ == "__main__":
