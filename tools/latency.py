@@ -103,6 +103,9 @@ def _calls(kind, batch, seqlen, h_q, s_q, dtype, topk):
 
 
 def measure(kind, batch, seqlen, h_q, s_q, dtype, topk, stream, cprofile=False, kernels=False):
+    # No plans from earlier shapes: the one left after the calls below is this call's (a plan kept
+    # from another batch holds the addresses of that batch's freed arrays).
+    mla._plans.clear()
     call, meta, splits = _calls(kind, batch, seqlen, h_q, s_q, dtype, topk)
     for _ in range(20):
         call()
@@ -132,8 +135,8 @@ def measure(kind, batch, seqlen, h_q, s_q, dtype, topk, stream, cprofile=False, 
         graph_us = gpu_us_per_call(lambda: graph.launch(stream), stream)
     result = {"eager": eager, "cpu": cpu_us, "graph": graph_us, "splits": int(cupy.asnumpy(cupy.asarray(splits))[-1])}
 
-    # The call's plan (the last one made: all calls above share one layout) and its launches.
-    plan = next(reversed(mla._plans.values()))
+    # The call's plan (the only one: all calls above share one layout) and its launches.
+    (plan,) = mla._plans.values()
     launches = (plan.splitkv, plan.combine)
     if kernels:
         result["splitkv"], result["combine"] = (gpu_us_per_call(launch, stream) for launch in launches)
