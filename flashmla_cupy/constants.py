@@ -26,6 +26,7 @@ FP8_NARROW_MMA_SYNC_ROWS = 16
 FP8_NARROW_STAGES = 3
 FP8_NARROW_THREADS = 384
 COMBINE_WARPS = 8           # one query row per warp
+OUT_STORE_BYTES = 16        # the split-KV kernels store the output 16 bytes at a time: out starts on such a boundary
 FIXED_OVERHEAD_BLOCKS = 5   # scheduler: cost of one request piece beyond its pages, in pages
 SCHED_META_INTS = 8         # ints per SM part in tile_scheduler_metadata
 
@@ -46,7 +47,7 @@ ERROR_METADATA_KIND = 5     # metadata of another kind of call: other topk, dens
 _SHARED = ("HEAD_DIM_K", "HEAD_DIM_V", "BLOCK_N", "BLOCK_M", "TMA_BOX", "SPLITKV_THREADS",
            "PRODUCER_THREADS", "FP8_STAGED_ROW_BYTES", "FP8_NARROW_ROWS", "FP8_NARROW_MMA_SYNC_ROWS",
            "FP8_NARROW_STAGES", "FP8_NARROW_THREADS",
-           "COMBINE_WARPS", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
+           "COMBINE_WARPS", "OUT_STORE_BYTES", "FIXED_OVERHEAD_BLOCKS", "SCHED_META_INTS", "FP8_QUANT_TILE",
            "FP8_NUM_SCALES", "HEAD_DIM_ROPE", "FP8_TOKEN_BYTES", "ERROR_SEQLEN_NEGATIVE",
            "ERROR_SEQLEN_RANGE", "ERROR_BLOCK_ID", "ERROR_SCHEDULE", "ERROR_METADATA_KIND")
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
 from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_NARROW_ROWS, FP8_STAGED_ROW_BYTES,
-                        HEAD_DIM_K, HEAD_DIM_V, PRODUCER_THREADS, SPLITKV_THREADS)
+                        HEAD_DIM_K, HEAD_DIM_V, OUT_STORE_BYTES, PRODUCER_THREADS, SPLITKV_THREADS)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
@@ -190,10 +190,10 @@ class LaunchPlan:
         errors.raise_pending(self.record)
         if out is not None:
             out, out_ptr = self._output_pointer(out, "out", self.out_shape, self.out_strides, self.dtype,
-                                                self._torch_out)
+                                                self._torch_out, OUT_STORE_BYTES)
         if lse is not None:
             lse, lse_ptr = self._output_pointer(lse, "lse", self.lse_shape, self.lse_strides, np.float32,
-                                                self._torch_lse)
+                                                self._torch_lse, np.dtype(np.float32).itemsize)
         ws = self._workspace(workspace)
         if self.splitkv is None:
             with self._lock:
@@ -219,19 +219,24 @@ class LaunchPlan:
                              f"got {got}")
         return workspace
 
-    def _output_pointer(self, x, name: str, shape, strides, dtype, torch_layout) -> tuple[object, int]:
+    def _output_pointer(self, x, name: str, shape, strides, dtype, torch_layout, align: int) -> tuple[object, int]:
         """A caller-provided output (CuPy array, torch tensor or any CUDA array) and its address,
-        after checking shape, layout, dtype and device."""
+        after checking shape, layout, dtype, device and alignment (``align`` bytes)."""
+        ptr = None
         if type(x) is _ndarray:
             d = x.data
             if x.shape == shape and x.strides == strides and x.dtype == dtype and d.device_id == self.device_id:
-                return x, d.ptr
+                ptr = d.ptr
         elif torch_layout is not None and type(x) is interop.torch_tensor_type():
             t_shape, t_strides, t_dtype = torch_layout
             if x.shape == t_shape and x.stride() == t_strides and x.dtype == t_dtype and x.get_device() == self.device_id:
-                return x, x.data_ptr()
-        arr = checks.output_array(x, name, shape, dtype)     # converts a foreign array, or raises
-        return x, arr.data.ptr
+                ptr = x.data_ptr()
+        if ptr is None:
+            ptr = checks.output_array(x, name, shape, dtype).data.ptr     # converts a foreign array, or raises
+        if ptr % align:
+            raise ValueError(f"{name} must start on a {align}-byte boundary (the kernels write it {align} bytes at "
+                             f"a time); got address {ptr:#x}")
+        return x, ptr
 
     def _new_output(self, shape, dtype):
         if self.stream_ptr == cupy.cuda.get_current_stream().ptr:

@@ -244,6 +244,8 @@ CASES = [
         "must have dtype bfloat16", "got float16"),
     row("out-strided", "out", lambda a: a.empty((B, S_Q, H_Q, 512), BF16, step=2), ValueError,
         "must be C-contiguous", "strides (32768, 32768, 2048, 4)"),
+    row("out-misaligned", "out", lambda a: a.empty((B, S_Q, H_Q, 512), BF16, offset=4), ValueError,
+        "must start on a 16-byte boundary", "(the kernels write it 16 bytes at a time)"),
     row("lse-shape-of-out-layout", "lse", lambda a: a.empty((B, S_Q, H_Q), F32), ValueError,
         "must have shape (2, 16, 1)", "got (2, 1, 16)"),
     row("lse-bfloat16", "lse", lambda a: a.empty((B, H_Q, S_Q), BF16), TypeError,

@@ -31,6 +31,7 @@ constexpr int kFp8NarrowMmaSyncRows = FLASHMLA_FP8_NARROW_MMA_SYNC_ROWS;
 constexpr int kFp8NarrowStages = FLASHMLA_FP8_NARROW_STAGES;
 constexpr int kFp8NarrowThreads = FLASHMLA_FP8_NARROW_THREADS;
 constexpr int kCombineWarps = FLASHMLA_COMBINE_WARPS;
+constexpr int kOutStoreBytes = FLASHMLA_OUT_STORE_BYTES;            // splitkv_epilogue.cuh's stores of the output
 static_assert(kBlockN == FLASHMLA_TMA_BOX && kBlockM == FLASHMLA_TMA_BOX, "a page buffer tile is 64 rows x 64 columns");
 
 // Tile scheduler: a request costs its number of pages plus this constant (its setup and

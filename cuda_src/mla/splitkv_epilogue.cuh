@@ -149,6 +149,7 @@ __device__ __forceinline__ void store_o(const SplitKVParams& p, FragO const& o, 
                     w[j] = pack_pair<Element>(o(i) * inv, o(i + 1) * inv);
                 }
                 quad_transpose(w, quad_lane);
+                static_assert(sizeof(uint4) == kOutStoreBytes, "the host checks out's alignment for these stores");
                 if (inside) *reinterpret_cast<uint4*>(dst + k * 32) = make_uint4(w[0], w[1], w[2], w[3]);
             }
         } else if (inside) {
