@@ -95,7 +95,7 @@ __device__ __forceinline__ uint32_t pack_pair(float a, float b) {
     return reinterpret_cast<uint32_t const&>(pair);
 }
 
-// kWords (1, 2 or 4) neighbouring n8 tiles of a row, of which each thread of a quad holds two
+// kWords (a power of two up to 4) neighbouring n8 tiles of a row, of which each thread of a quad holds two
 // columns (one 32-bit word a tile), regrouped so that each holds kWords words of contiguous
 // columns: thread t gets tile t % kWords's columns 2 kWords (t / kWords) onwards, the words of
 // the kWords threads (t / kWords) kWords + s. Rounds of pairwise swaps over lanes t ^ 1 (and
@@ -123,9 +123,8 @@ __device__ __forceinline__ void store_words(void* dst, const uint32_t (&w)[kWord
     if constexpr (kWords == 4) {
         static_assert(sizeof(uint4) == kOutStoreBytes, "the host checks out's alignment for these stores");
         *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else if constexpr (kWords == 2) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
     } else {
+        static_assert(kWords == 1, "kOutStoreWords: 4 or 1");
         *reinterpret_cast<uint32_t*>(dst) = w[0];
     }
 }
