@@ -95,18 +95,15 @@ __device__ __forceinline__ uint32_t pack_pair(float a, float b) {
     return reinterpret_cast<uint32_t const&>(pair);
 }
 
-// kWords (a power of two up to 4) neighbouring n8 tiles of a row, of which each thread of a quad holds two
-// columns (one 32-bit word a tile), regrouped so that each holds kWords words of contiguous
-// columns: thread t gets tile t % kWords's columns 2 kWords (t / kWords) onwards, the words of
-// the kWords threads (t / kWords) kWords + s. Rounds of pairwise swaps over lanes t ^ 1 (and
-// t ^ 2), each exchanging the words whose index differs from the lane in that bit.
-template <int kWords>
-__device__ __forceinline__ void quad_regroup(uint32_t (&w)[kWords], int lane) {
+// A 4x4 transpose of 32-bit words across the four threads of a quad: thread t's word s becomes
+// thread s's word t. Two rounds of pairwise swaps (lanes t ^ 1, then t ^ 2), each exchanging the
+// words whose index differs from the lane in that bit.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int lane) {
     CUTE_UNROLL
-    for (int bit = 1; bit < kWords; bit *= 2) {
+    for (int bit = 1; bit <= 2; bit *= 2) {
         const bool high = lane & bit;
         CUTE_UNROLL
-        for (int j = 0; j < kWords; ++j) {
+        for (int j = 0; j < 4; ++j) {
             if (j & bit) continue;                       // pairs (j, j + bit)
             const uint32_t recv = __shfl_xor_sync(0xffffffffu, high ? w[j] : w[j + bit], bit);
             if (high) {
@@ -118,60 +115,55 @@ __device__ __forceinline__ void quad_regroup(uint32_t (&w)[kWords], int lane) {
     }
 }
 
-template <int kWords>
-__device__ __forceinline__ void store_words(void* dst, const uint32_t (&w)[kWords]) {
-    if constexpr (kWords == 4) {
-        static_assert(sizeof(uint4) == kOutStoreBytes, "the host checks out's alignment for these stores");
-        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-        static_assert(kWords == 1, "kOutStoreWords: 4 or 1");
-        *reinterpret_cast<uint32_t*>(dst) = w[0];
-    }
-}
-
 // O / sum from registers straight to global memory. The final output: the quad's threads hold
-// two columns of each n8 tile of a row; quad_regroup over four neighbouring tiles gives each one
-// whole tile's eight columns, stored in 16 bytes, so that a warp's store writes 64 contiguous
-// bytes of each of its eight rows (with 4-byte stores, 16: four times the store instructions and
-// L1 requests; 1-2 % of the time of the h_q * s_q >= 64 rows at s_k 4096, docs/perf-notes.md
-// section 50). In the sparse kernel and the FP8 cache's one-token pages with a bf16 q, regrouping
-// four tiles spills 40 and 8 B, two tiles 4 B each: 4 bytes a store there. Split outputs
-// (fp32) keep 8 bytes a thread: each quad writes 32 contiguous bytes of a row, and L2 merges the
-// quads' pieces of a sector. The output is tiny next to the pages read, and without shared-memory
-// staging the next request's Q and first pages can be loading while this runs.
+// two columns of each n8 tile of a row; quad_transpose over four neighbouring tiles gives each
+// one whole tile's eight columns, stored in 16 bytes, so that a warp's store writes 64 contiguous
+// bytes of each of its eight rows (with 4-byte stores, 16: four times the store instructions
+// and L1 requests; 1-2 % of the time of the h_q * s_q >= 64 rows at s_k 4096,
+// docs/perf-notes.md section 50). The sparse kernel and the FP8 cache's one-token pages with a
+// bf16 q have no registers for the transposes (ptxas spills 40 and 8 B): 4-byte stores there.
+// Split outputs (fp32) keep 8 bytes a thread: each quad writes 32 contiguous bytes of a row, and
+// L2 merges the quads' pieces of a sector. The output is tiny next to the pages read, and
+// without shared-memory staging the next request's Q and first pages can be loading while this
+// runs.
 template <typename T>
-constexpr int kOutStoreWords = T::kSparse || T::kExpanderStages ? 1 : 4;
+constexpr bool kWideOutStores = !T::kSparse && !T::kExpanderStages;
 
 template <typename T, typename FragO>
 __device__ __forceinline__ void store_o(const SplitKVParams& p, FragO const& o, const float (&inv_sum)[2],
                                         const OutputTarget& out, int wg, int idx_in_wg) {
     using Element = typename T::IoElement;
-    constexpr int kWords = kOutStoreWords<T>;
     const int col0 = wg * (kHeadDimV / 2) + fragment_col(0, idx_in_wg);
     const int quad_lane = idx_in_wg % 4;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
         const int row = fragment_row(half, idx_in_wg);
-        const bool inside = row < out.num_rows;
-        if (kWords == 1 && !inside) continue;            // else the regrouping needs the whole quad
+        const bool inside = row < out.num_rows;          // the transposes need the whole quad: no early exit
         const int64_t q_row = out.m_block * kBlockM + row;
         const float inv = inv_sum[half];
-        if (out.split_idx < 0) {
-            // Tile kWords k + quad_lane % kWords of the warpgroup's columns, from its column
-            // 2 kWords (quad_lane / kWords) (quad_regroup).
+        if (out.split_idx < 0 && !kWideOutStores<T>) {
+            Element* dst = static_cast<Element*>(p.o) +
+                (((int64_t)out.batch_idx * p.q_rows + q_row) * p.h_kv + out.kv_head) * kHeadDimV + col0;
+            CUTE_UNROLL
+            for (int i = half * 2; inside && i < size(o); i += 4) {
+                *reinterpret_cast<uint32_t*>(dst + (i / 4) * 8) = pack_pair<Element>(o(i) * inv, o(i + 1) * inv);
+            }
+        } else if (out.split_idx < 0) {
+            // The quad's tile 4k + quad_lane: columns from wg's first plus 8 (4k + quad_lane).
             Element* dst = static_cast<Element*>(p.o) +
                 (((int64_t)out.batch_idx * p.q_rows + q_row) * p.h_kv + out.kv_head) * kHeadDimV +
-                wg * (kHeadDimV / 2) + (quad_lane % kWords) * 8 + (quad_lane / kWords) * 2 * kWords;
+                wg * (kHeadDimV / 2) + quad_lane * 8;
             CUTE_UNROLL
-            for (int k = 0; k < size(o) / (4 * kWords); ++k) {
-                uint32_t w[kWords];
+            for (int k = 0; k < size(o) / 16; ++k) {
+                uint32_t w[4];
                 CUTE_UNROLL
-                for (int j = 0; j < kWords; ++j) {
-                    const int i = half * 2 + (kWords * k + j) * 4;
+                for (int j = 0; j < 4; ++j) {
+                    const int i = half * 2 + (4 * k + j) * 4;
                     w[j] = pack_pair<Element>(o(i) * inv, o(i + 1) * inv);
                 }
-                quad_regroup(w, quad_lane);
-                if (inside) store_words(dst + k * 8 * kWords, w);
+                quad_transpose(w, quad_lane);
+                static_assert(sizeof(uint4) == kOutStoreBytes, "the host checks out's alignment for these stores");
+                if (inside) *reinterpret_cast<uint4*>(dst + k * 32) = make_uint4(w[0], w[1], w[2], w[3]);
             }
         } else if (inside) {
             float* dst = p.o_accum +
