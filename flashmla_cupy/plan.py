@@ -21,10 +21,11 @@ import numpy as np
 
 from . import checks, errors, interop, launch, programs, tma
 from .constants import (BLOCK_M, BLOCK_N, COMBINE_WARPS, FP8_NARROW_ROWS, FP8_STAGED_ROW_BYTES,
-                        HEAD_DIM_K, HEAD_DIM_V, OUT_STORE_BYTES, PRODUCER_THREADS, SPLITKV_THREADS)
+                        HEAD_DIM_K, HEAD_DIM_V, OUT_STORE_BYTES, PRODUCER_THREADS, SPLITKV_THREADS, TMA_BOX)
 from .params import CombineParams, SplitKVParams
 
 _ndarray = cupy.ndarray
+_LSE_BYTES = np.dtype(np.float32).itemsize      # lse's alignment: the kernels store it a float at a time
 
 
 def layout_key(arrays):
@@ -193,7 +194,7 @@ class LaunchPlan:
                                                 self._torch_out, OUT_STORE_BYTES)
         if lse is not None:
             lse, lse_ptr = self._output_pointer(lse, "lse", self.lse_shape, self.lse_strides, np.float32,
-                                                self._torch_lse, np.dtype(np.float32).itemsize)
+                                                self._torch_lse, _LSE_BYTES)
         ws = self._workspace(workspace)
         if self.splitkv is None:
             with self._lock:
@@ -260,7 +261,7 @@ class LaunchPlan:
         """Re-encode a tensor map only when its array's address changed."""
         m = self._maps[index]
         if m.address != address:
-            dtype, box_cols = (np.uint8, m.box_bytes) if m.box_bytes else (self.dtype, 64)
+            dtype, box_cols = (np.uint8, m.box_bytes) if m.box_bytes else (self.dtype, TMA_BOX)
             raw = tma.rows_4d_at(address, dtype, m.shape, m.strides, box_rows=m.box_rows, box_cols=box_cols,
                                  l2_promotion=m.l2_promotion)
             ctypes.memmove(self.splitkv.params_address + m.offset, raw, len(raw))
