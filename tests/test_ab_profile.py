@@ -95,6 +95,18 @@ def test_profiles_run_in_their_tree(tmp_path):
                        str(tmp_path / "x.csv")]
 
 
+def test_sparse_runs_profile_sparse_and_keys_its_rows_by_batch_and_topk(tmp_path):
+    cmd = ab.profile_command(tmp_path, "sparse", ["--repeats", "20"], tmp_path / "x.csv")
+    assert cmd[3:6] == ["profile", "sparse", "--repeats"] and "--dtype" not in cmd
+    rows = shapes.sparse_grid((), (), (), (), ())
+    records = [{"name": "flashmla", **runner._sparse_fields(shape), "ms_median": 0.1 * (i + 1)}
+               for i, shape in enumerate(rows)]
+    report.write_csv(tmp_path / "s.csv", records, Ceilings())
+    times = ab.read_times(tmp_path / "s.csv")
+    assert len(times) == len(rows)                  # b 2, 64, 74 and 128 of the same shape stay apart
+    assert {(k[5], k[6]) for k in times} == {(shape.batch, str(shape.topk)) for shape in rows}
+
+
 def test_trees_are_directories_with_the_package_or_git_revisions(tmp_path):
     with pytest.raises(SystemExit, match="without flashmla_cupy/ and cuda_src/"):
         ab.tree_of(str(tmp_path), tmp_path / "scratch")

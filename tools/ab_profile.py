@@ -1,12 +1,13 @@
 """Two versions of the package timed against each other with the profiler, alternated.
 
-    python tools/ab_profile.py A B [--rounds 3] [--dtype bf16,fp8] [--out DIR] [-- PROFILE ARGS]
+    python tools/ab_profile.py A B [--rounds 3] [--dtype bf16,fp8,sparse] [--out DIR] [-- PROFILE ARGS]
 
 A and B: directories holding a copy of the package (``flashmla_cupy/`` and ``cuda_src/``: a ``git
 worktree``, or ``git archive REV flashmla_cupy cuda_src | tar -x -C DIR``), or git revisions of
 this checkout, which are exported so. Each round profiles A, B, B, A for every dtype, each in a
-fresh process started in its tree (``python -m flashmla_cupy profile --dtype D --csv ...``;
-the profile arguments after ``--``, by default ``--varlen off --no-ceilings --repeats 20``), so
+fresh process started in its tree (``python -m flashmla_cupy profile --dtype D --csv ...``, or for
+the dtype ``sparse`` ``profile sparse``, its production rows; the profile arguments after ``--``,
+by default ``--varlen off --no-ceilings --repeats 20``, which sparse takes too), so
 that a drift of the clocks or the power cap during the run falls on both. Both trees share one
 cubin cache: programs are keyed by their sources. A GPU with the kernels' cubins at hand runs a
 bf16 or fp8 profile in about 4 s, plus the process start.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILE_ARGS = ["--varlen", "off", "--no-ceilings", "--repeats", "20"]
+SPARSE = "sparse"          # a --dtype entry: profile sparse
 ROW_GROUPS = ((16, "<= 16"), (32, "17-32"), (64, "33-64"), (128, "65-128"), (math.inf, "> 128"))
 
 
@@ -59,8 +61,8 @@ def schedule(rounds: int, dtypes: list[str]) -> list[tuple[int, str, str]]:
 
 def profile_command(tree: Path, dtype: str, profile_args: list[str], csv_path: Path) -> list[str]:
     # run with the tree as working directory: -m puts it first on sys.path, before any installed copy
-    return [sys.executable, "-m", "flashmla_cupy", "profile", "--dtype", dtype, *profile_args,
-            "--csv", str(csv_path)]
+    kind = ["sparse"] if dtype == SPARSE else ["--dtype", dtype]
+    return [sys.executable, "-m", "flashmla_cupy", "profile", *kind, *profile_args, "--csv", str(csv_path)]
 
 
 def run_profile(tree: Path, dtype: str, profile_args: list[str], csv_path: Path, log_path: Path,
@@ -79,13 +81,15 @@ def run_profile(tree: Path, dtype: str, profile_args: list[str], csv_path: Path,
 
 
 def read_times(csv_path: Path) -> dict[tuple, float]:
-    """The default call's median time (ms) per shape: (page size, s_k, h_q, s_q, varlen)."""
+    """The default call's median time (ms) per shape: (page size, s_k, h_q, s_q, varlen, batch,
+    topk); sparse rows have no page size (64) and no varlen, MLA rows no topk."""
     times = {}
     with csv_path.open() as f:
         for r in csv.DictReader(f):
             if r["name"] != "flashmla" or r.get("error") or not r.get("ms_median"):
                 continue
-            key = (int(r.get("page_size") or 64), int(r["seqlen"]), int(r["head"]), int(r["s_q"]), r.get("varlen", ""))
+            key = (int(r.get("page_size") or 64), int(r["seqlen"]), int(r["head"]), int(r["s_q"]), r.get("varlen", ""),
+                   int(r["batch"]), r.get("topk", ""))
             times[key] = float(r["ms_median"])
     return times
 
@@ -125,8 +129,10 @@ def summarize(runs: list[tuple[int, str, str, dict]]) -> list[str]:
         lines.append(f"  all: {geomean(ratio.values()):.4f} ({geomean(noise.values()):.4f})")
         moved = sorted(shapes, key=lambda k: ratio[k])
         for k in moved[:3] + moved[-3:] if len(moved) > 6 else moved:
-            page, s_k, h_q, s_q, varlen = k
-            lines.append(f"    page {page} s_k {s_k} h_q {h_q} s_q {s_q} varlen {varlen}: "
+            page, s_k, h_q, s_q, varlen, batch, topk = k
+            shape = f"b {batch} s_k {s_k} h_q {h_q} s_q {s_q} topk {topk}" if dtype == SPARSE else \
+                f"page {page} s_k {s_k} h_q {h_q} s_q {s_q} varlen {varlen}"
+            lines.append(f"    {shape}: "
                          f"A {geomean(t[k] for t in a) * 1e3:.1f} us, B {geomean(t[k] for t in b) * 1e3:.1f} us, "
                          f"{ratio[k]:.4f}")
     return lines
@@ -159,7 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("a", help="the reference: a directory with the package, or a git revision")
     ap.add_argument("b", help="the version measured against it (the same forms)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of A, B, B, A (default 3)")
-    ap.add_argument("--dtype", default="bf16,fp8", help="profile --dtype values, comma separated (default bf16,fp8)")
+    ap.add_argument("--dtype", default="bf16,fp8",
+                    help=f"profile --dtype values, or {SPARSE} (profile sparse), comma separated (default bf16,fp8)")
     ap.add_argument("--out", type=Path, default=Path("ab_profile"),
                     help="CSVs, logs and summary.txt (default ./ab_profile)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one profile may take (default 300)")

@@ -120,16 +120,17 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int lane) {
 // one whole tile's eight columns, stored in 16 bytes, so that a warp's store writes 64 contiguous
 // bytes of each of its eight rows (with 4-byte stores, 16: four times the store instructions
 // and L1 requests; 1-2 % of the time of the h_q * s_q >= 64 rows at s_k 4096,
-// docs/perf-notes.md section 50). The sparse kernel and the FP8 cache's one-token pages with a
-// bf16 q have no registers for the transposes (ptxas spills 40 and 8 B): 4-byte stores there.
+// docs/perf-notes.md section 50). The sparse values warpgroup (kRole 1) and the FP8 cache's
+// one-token pages with a bf16 q have no registers for the transposes (ptxas spills 40 and 8 B):
+// 4-byte stores there.
 // Split outputs (fp32) keep 8 bytes a thread: each quad writes 32 contiguous bytes of a row, and
 // L2 merges the quads' pieces of a sector. The output is tiny next to the pages read, and
 // without shared-memory staging the next request's Q and first pages can be loading while this
 // runs.
-template <typename T>
-constexpr bool kWideOutStores = !T::kSparse && !T::kExpanderStages;
+template <typename T, int kRole>
+constexpr bool kWideOutStores = !T::kExpanderStages && (!T::kSparse || kRole == 0);
 
-template <typename T, typename FragO>
+template <typename T, int kRole, typename FragO>
 __device__ __forceinline__ void store_o(const SplitKVParams& p, FragO const& o, const float (&inv_sum)[2],
                                         const OutputTarget& out, int wg, int idx_in_wg) {
     using Element = typename T::IoElement;
@@ -141,7 +142,7 @@ __device__ __forceinline__ void store_o(const SplitKVParams& p, FragO const& o, 
         const bool inside = row < out.num_rows;          // the transposes need the whole quad: no early exit
         const int64_t q_row = out.m_block * kBlockM + row;
         const float inv = inv_sum[half];
-        if (out.split_idx < 0 && !kWideOutStores<T>) {
+        if (out.split_idx < 0 && !kWideOutStores<T, kRole>) {
             Element* dst = static_cast<Element*>(p.o) +
                 (((int64_t)out.batch_idx * p.q_rows + q_row) * p.h_kv + out.kv_head) * kHeadDimV + col0;
             CUTE_UNROLL

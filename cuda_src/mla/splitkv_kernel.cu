@@ -838,7 +838,7 @@ struct SplitKVCta {
             // A zero sum means no visible token (or overflow): O = 0, lse = +inf, as FlashMLA.
             float inv_sum[2];
             output_factors<T>(p, st, out, sums, epilogue_idx, inv_sum);
-            store_o<T>(p, o, inv_sum, out, epilogue_wg, epilogue_idx);
+            store_o<T, kRole>(p, o, inv_sum, out, epilogue_wg, epilogue_idx);
             store_lse<T>(p, st, out);
             if (req != schedule(row).end_req) {
                 consumer_sync<T>();                                 // row_max, row_sum, bad_request are reused
