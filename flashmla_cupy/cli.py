@@ -219,7 +219,7 @@ def _unknown_command(word: str) -> str:
 # profile
 # --------------------------------------------------------------------------------------------
 
-def _console(stderr: bool = False):
+def console(stderr: bool = False):
     """A rich console bound to stdout or stderr; when the stream is not a terminal (logs, pipes)
     and COLUMNS is unset, 160 columns wide instead of rich's 80, so that the tables keep their
     shape in captured output."""
@@ -349,8 +349,8 @@ def cmd_profile(args) -> int:
         if why:
             raise _fail("profile", f"--inputs {args.inputs} cannot run here: {why}")
 
-    out = _console()
-    err = _console(stderr=True)
+    out = console()
+    err = console(stderr=True)
     env = environment(args.device)
     report.print_header(out, report.header_lines(env, runner.method_description(
         config, gpu.get("l2_bytes", 0), kind), kind=kind, seed=args.seed))
@@ -468,8 +468,8 @@ def cmd_compile(args) -> int:
     from . import bundled, compiler
     from .profiler import build
 
-    out = _console()
-    err = _console(stderr=True)
+    out = console()
+    err = console(stderr=True)
     if args.arch:
         arch, source = args.arch, "--arch"
         why = _unsupported_arch(arch)
@@ -606,7 +606,7 @@ def cmd_info(args) -> int:
     from rich.table import Table
 
     data = info_data()
-    out = _console()
+    out = console()
     if args.json:
         import json
         out.print_json(json.dumps(data, default=str))
