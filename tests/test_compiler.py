@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,9 @@ from flashmla_cupy import compiler, programs
 
 ARCH = "sm_90a"
 
-
+_spec = importlib.util.spec_from_file_location("sass_mix", Path(__file__).resolve().parents[1] / "tools" / "sass_mix.py")
+sass_mix = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_mix)
 
 
 @pytest.fixture
@@ -24,6 +28,17 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHMLA_CUPY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(compiler, "_memory", {})
     return tmp_path / "cache" / f"v{compiler.CACHE_FORMAT}"
+
+
+@pytest.fixture(scope="module")
+def mla_cubins(tmp_path_factory):
+    """Every MLA program built once for this module, in parallel, into a private cache:
+    ``(cubins, cache directory)``."""
+    cache_dir = tmp_path_factory.mktemp("mla_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHMLA_CUPY_CACHE_DIR", str(cache_dir))
+        mp.setattr(compiler, "_memory", {})
+        return compiler.build_many(programs.mla_programs(), ARCH), cache_dir
 
 
 def test_torch_is_not_imported():
@@ -65,11 +80,11 @@ def test_ptxas_report_parser():
 
 
 @pytest.mark.nvrtc
-def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
-    """All MLA programs (both dtypes) to sm_90a cubins, in parallel. Registers and stack come from
-    the cubin (always there), spills from ptxas's report: a stack of 0 bytes, callees included,
-    rules spills out even where a log had no report (spills live in the stack)."""
-    cubins = compiler.build_many(programs.mla_programs(), ARCH)
+def test_every_mla_kernel_compiles_for_sm90a_without_spills(mla_cubins, monkeypatch):
+    """All MLA programs (both dtypes) to sm_90a cubins. Registers and stack come from the cubin
+    (always there), spills from ptxas's report: a stack of 0 bytes, callees included, rules
+    spills out even where a log had no report (spills live in the stack)."""
+    cubins, cache_dir = mla_cubins
     # NVRTC 12.6-12.8's ptxas spills a few values of the FP8 kernels' warpgroups after their
     # register split (12.6.68: 88 B sparse, 40 B dense, 56 B e4m3 q, 24 B and 56 B
     # their one-token forms, 24 B the narrow kernel's WGMMA form; 0 from 12.9 on,
@@ -97,8 +112,33 @@ def test_every_mla_kernel_compiles_for_sm90a_without_spills(cache):
                 reported = compiler.parse_ptxas_report(c.log, c.lowered)[name]
                 assert (reported.registers, reported.stack_bytes) == (res.registers, res.stack_bytes), \
                     f"{name}: the cubin says {res}, ptxas {reported}"
+    monkeypatch.setenv("FLASHMLA_CUPY_CACHE_DIR", str(cache_dir))
+    monkeypatch.setattr(compiler, "_memory", {})
     again = compiler.build_many(programs.mla_programs(), ARCH)
     assert all(c.from_cache for c in again)
+
+
+@pytest.mark.nvrtc
+def test_the_16bit_kernel_makes_its_wgmma_descriptors_in_uniform_registers(mla_cubins):
+    """No R2UR just before any WGMMA of the 16-bit cache's split-KV programs: their operand
+    descriptors stay in uniform registers (NVRTC 12.6, 12.9 and 13.0 alike). Losing that shows in
+    no register count and no spill, but cost 2-5 % on the GPU (a thread-0 shared store in the
+    epilogue did it: docs/perf-notes.md section 51). nvdisasm comes with the test extra."""
+    try:
+        nvdisasm = sass_mix.find_nvdisasm()
+    except SystemExit as e:
+        pytest.skip(str(e))
+    names = {programs.splitkv_program(tag, one_token_pages=tokens).name
+             for tag in programs.DTYPE_TAGS for tokens in (False, True)}
+    checked = [c for c in mla_cubins[0] if c.program.name in names]
+    assert len(checked) == len(names) == 4
+    for c in checked:
+        sass = sass_mix.disassemble(c.image, nvdisasm)
+        ops = sass_mix.opcodes(sass)
+        moves = sass_mix.descriptor_moves(ops)
+        # 0 with every NVRTC tested; a change that took the descriptors out had ~500 (one or more
+        # a WGMMA): `python tools/sass_mix.py main HEAD` shows where
+        assert ops.count("HGMMA") > 100 and moves <= 16, f"{c.program.name}: {moves} R2UR before its WGMMAs"
 
 
 @pytest.mark.nvrtc

@@ -30,14 +30,24 @@ LISTING = """\
 
 def test_counts_opcodes_without_modifiers_or_predicates():
     assert sass_mix.opcode_counts(LISTING) == Counter(
-        {"LDC": 1, "S2R": 1, "BRA": 1, "IMAD": 2, "R2UR": 1, "UIADD3": 1, "HGMMA": 1, "EXIT": 1})
+        {"LDC": 1, "S2R": 1, "BRA": 1, "IMAD": 2, "R2UR": 1, "UIADD3": 1, "HGMMA": 1, "EXIT": 1,
+         sass_mix.DESCRIPTOR_MOVES: 1})
+
+
+def test_descriptor_moves_are_the_r2ur_shortly_before_a_wgmma():
+    far = ["R2UR"] + ["IMAD"] * sass_mix.WGMMA_LOOKBACK + ["HGMMA"]
+    assert sass_mix.descriptor_moves(far) == 0
+    near = ["R2UR", "R2UR", "UIADD3", "QGMMA", "R2UR", "HGMMA", "HGMMA"]
+    assert sass_mix.descriptor_moves(near) == 3          # each counted once, for every WGMMA kind
+    assert sass_mix.descriptor_moves(["R2UR", "FMUL", "STG"]) == 0
 
 
 def test_rows_keep_a_programs_trees_together():
-    a = {"k": Counter({"R2UR": 2, "FMUL": 8}), "m": Counter({"SEL": 1})}
-    b = {"k": Counter({"R2UR": 9, "FMUL": 8})}
+    moves = sass_mix.DESCRIPTOR_MOVES
+    a = {"k": Counter({"R2UR": 2, "FMUL": 8, moves: 1}), "m": Counter({"SEL": 1})}
+    b = {"k": Counter({"R2UR": 9, "FMUL": 8, moves: 5})}
     assert sass_mix.table_rows(["A", "B"], [a, b], ("R2UR", "SEL")) == [
-        ["k", "A", "10", "2", "0"], ["k", "B", "17", "9", "0"], ["m", "A", "1", "0", "1"]]
+        ["k", "A", "10", "1", "2", "0"], ["k", "B", "17", "5", "9", "0"], ["m", "A", "1", "0", "0", "1"]]
 
 
 def test_without_nvdisasm_it_says_where_it_looked(monkeypatch, tmp_path):

@@ -8,7 +8,9 @@ programs (default: every MLA program) are built for sm_90a in a process started 
 taken from the cubin cache, which keys them by their sources; nvdisasm then disassembles each
 cubin here. No GPU is needed.
 
-Printed per program, a row for each tree: the instructions in all, and the count of each of
+Printed per program, a row for each tree: the instructions in all, the R2UR among the eight
+instructions before a WGMMA (a descriptor made in vector registers and moved to the uniform ones
+for it; 0 in the 16-bit kernel, which tests/test_compiler.py checks), and the count of each of
 --ops (by default the uniform datapath's R2UR, ULOP3, UIADD3 and UMOV, the WGMMAs, and the
 output's SEL, SHFL and STG).
 
@@ -18,7 +20,7 @@ a spill more, and cost 2-5 % on the GPU (docs/perf-notes.md section 51: R2UR 138
 the counts before spending GPU time on a change.
 
 nvdisasm comes from $NVDISASM, PATH, $CUDA_HOME/bin or /usr/local/cuda/bin, else from the
-``nvidia-cuda-nvdisasm`` wheel (``pip install nvidia-cuda-nvdisasm``: no CUDA toolkit needed).
+``nvidia-cuda-nvdisasm`` wheel, which the test extra installs (no CUDA toolkit needed).
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_profile import tree_of  # noqa: E402  (a sibling tool)
 
 DEFAULT_OPS = ("R2UR", "ULOP3", "UIADD3", "UMOV", "HGMMA", "SEL", "SHFL", "STG")
+DESCRIPTOR_MOVES = "R2UR before WGMMA"     # the column of descriptor_moves
+WGMMA_LOOKBACK = 8                         # instructions before a WGMMA that descriptor_moves reads
 
 # Run in a tree: build its programs (all MLA programs, or those named) and write each cubin into
 # the folder given; prints [name, file] pairs as JSON.
@@ -77,9 +81,34 @@ def find_nvdisasm() -> str:
                      "nvidia-cuda-nvdisasm wheel): pip install nvidia-cuda-nvdisasm")
 
 
+def opcodes(sass: str) -> list[str]:
+    """The opcodes of nvdisasm's listing in order, modifiers dropped (IMAD.MOV.U32 is IMAD)."""
+    return [m.group(1) for m in map(_INSTRUCTION.search, sass.splitlines()) if m]
+
+
 def opcode_counts(sass: str) -> Counter:
-    """Instructions of nvdisasm's listing counted by opcode, modifiers dropped (IMAD.MOV.U32 is IMAD)."""
-    return Counter(m.group(1) for m in map(_INSTRUCTION.search, sass.splitlines()) if m)
+    """Instructions of nvdisasm's listing counted by opcode, and DESCRIPTOR_MOVES."""
+    ops = opcodes(sass)
+    return Counter(ops) + Counter({DESCRIPTOR_MOVES: descriptor_moves(ops)})
+
+
+def descriptor_moves(ops: list[str]) -> int:
+    """R2UR among the WGMMA_LOOKBACK instructions before each WGMMA (HGMMA, QGMMA, ...): operand
+    descriptors made in vector registers and moved to the uniform ones for it (docs/perf-notes.md
+    section 51)."""
+    moves = set()
+    for i, op in enumerate(ops):
+        if op.endswith("GMMA"):
+            moves.update(j for j in range(max(0, i - WGMMA_LOOKBACK), i) if ops[j] == "R2UR")
+    return len(moves)
+
+
+def disassemble(image: bytes, nvdisasm: str) -> str:
+    """nvdisasm's listing of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(image)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def tree_counts(tree: Path, names: str, nvdisasm: str) -> dict[str, Counter]:
@@ -92,20 +121,20 @@ def tree_counts(tree: Path, names: str, nvdisasm: str) -> dict[str, Counter]:
             raise SystemExit(f"{tree}: building its programs failed:\n{built.stderr.strip()}")
         counts = {}
         for name, path in json.loads(built.stdout.strip().splitlines()[-1]):
-            sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-            counts[name] = opcode_counts(sass)
+            counts[name] = opcode_counts(disassemble(Path(path).read_bytes(), nvdisasm))
         return counts
 
 
 def table_rows(labels: list[str], per_tree: list[dict[str, Counter]], ops: tuple[str, ...]) -> list[list[str]]:
-    """[program, tree's label, instructions in all, each op's count]: a row per program and tree,
-    the trees of a program together; a program a tree lacks is left out there."""
+    """[program, tree's label, instructions in all, DESCRIPTOR_MOVES, each op's count]: a row per
+    program and tree, the trees of a program together; a program a tree lacks is left out there."""
     rows = []
     for name in dict.fromkeys(n for counts in per_tree for n in counts):
         for label, counts in zip(labels, per_tree):
             if name in counts:
                 c = counts[name]
-                rows.append([name, label, str(sum(c.values())), *(str(c[op]) for op in ops)])
+                instructions = sum(c.values()) - c[DESCRIPTOR_MOVES]
+                rows.append([name, label, str(instructions), *(str(c[op]) for op in (DESCRIPTOR_MOVES, *ops))])
     return rows
 
 
@@ -129,7 +158,7 @@ def main(argv=None) -> int:
     labels = ["AB"[i] if len(specs) == 2 else str(i + 1) for i in range(len(specs))]
     table = Table(title=f"SASS instruction mix (sm_90a; {nvdisasm})",
                   caption="  ".join(f"{label}: {spec}" for label, spec in zip(labels, specs)))
-    for header in ("program", "tree", "instructions", *ops):
+    for header in ("program", "tree", "instructions", DESCRIPTOR_MOVES, *ops):
         table.add_column(header, justify="left" if header in ("program", "tree") else "right", no_wrap=True)
     for row in table_rows(labels, per_tree, ops):
         table.add_row(*row)
