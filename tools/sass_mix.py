@@ -35,9 +35,6 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_profile import tree_of  # noqa: E402  (a sibling tool)
-
 DEFAULT_OPS = ("R2UR", "ULOP3", "UIADD3", "UMOV", "HGMMA", "SEL", "SHFL", "STG")
 DESCRIPTOR_MOVES = "R2UR before WGMMA"     # the column of descriptor_moves
 WGMMA_LOOKBACK = 8                         # instructions before a WGMMA that descriptor_moves reads
@@ -144,6 +141,11 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", default="", help='program names, ";"-separated (default: every MLA program)')
     ap.add_argument("--ops", default=",".join(DEFAULT_OPS), help="opcodes to count, comma separated")
     args = ap.parse_args(argv)
+    # a sibling tool, imported here so that importing this module (tests/test_compiler.py does)
+    # leaves sys.path as it was
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ab_profile import tree_of
+
     nvdisasm = find_nvdisasm()
     ops = tuple(op.strip().upper() for op in args.ops.split(",") if op.strip())
     with tempfile.TemporaryDirectory(prefix="sass_mix_trees_") as scratch:
