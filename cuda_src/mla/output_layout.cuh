@@ -27,11 +27,16 @@ __device__ __forceinline__ float row_lse(float sum, float max_log2, bool bad, bo
 }
 
 // The attention sink scales a row's output by exp(lse) / (exp(lse) + exp(sink)); lse itself is
-// unchanged. `lse_log2`: the row's lse in the log2 domain; +inf (no visible token: the output is
-// already 0) or no sink gives 1.
+// unchanged. `lse_log2`: the row's lse in the log2 domain, finite; `sink_log2`: the row's sink
+// times log2(e), -inf without a sink (factor 1).
+__device__ __forceinline__ float sink_factor_log2(float sink_log2, float lse_log2) {
+    return 1.0f / (1.0f + exp2f(sink_log2 - lse_log2));
+}
+
+// The same from attn_sink itself; lse +inf (no visible token: the output is already 0) gives 1.
 __device__ __forceinline__ float sink_factor(const float* attn_sink, int head, float lse_log2) {
     if (attn_sink == nullptr || lse_log2 == kInf) return 1.0f;
-    return 1.0f / (1.0f + exp2f(attn_sink[head] * kLog2e - lse_log2));
+    return sink_factor_log2(attn_sink[head] * kLog2e, lse_log2);
 }
 
 }  // namespace flashmla

@@ -62,9 +62,8 @@ __device__ __forceinline__ void output_factors(const SplitKVParams& p, typename 
         const bool empty = no_visible_token(sum);       // O = 0
         factor[half] = out.bad ? kNaN : empty ? 1.0f : v_scale / sum;
         if (T::kSparse && out.split_idx < 0 && !out.bad && !empty) {
-            const int row = fragment_row(half, idx_in_wg);
-            const int head = out.m_block * kBlockM + row;          // sparse: one query token per request
-            if (row < out.num_rows) factor[half] *= sink_factor(p.attn_sink, head, log2f(sum) + st.row_max[row]);
+            const int row = fragment_row(half, idx_in_wg);      // (sink_log2 is -inf past num_rows)
+            factor[half] *= sink_factor_log2(st.sink_log2[row], log2f(sum) + st.row_max[row]);
         }
     }
 }

@@ -722,6 +722,17 @@ struct SplitKVCta {
     // The scheduler's requests [begin_req, end_req] (`row`: its metadata), from the first Q load
     // to the last output. kRole: the sparse warpgroup (0 scores, 1 values), each compiled apart
     // so that ptxas keeps it within its own register budget; -1: dense.
+    // Sparse: each row's attention sink into st.sink_log2, once: a request is one query token, so
+    // the m-block's heads are the same in every request. Loaded where the epilogue wants it, its
+    // latency behind the producer's gathers cost each request ~2 µs (docs/perf-notes.md section 52).
+    // By the values warpgroup, idle until the first P; read after reduce_row_sums' barrier.
+    __device__ __forceinline__ void load_sinks() const {
+        if (idx >= kBlockM) return;
+        const int head = m_block * kBlockM + idx;
+        const bool present = p.attn_sink != nullptr && idx < p.q_rows - m_block * kBlockM;
+        st.sink_log2[idx] = present ? p.attn_sink[head] * kLog2e : -kInf;
+    }
+
     template <int kRole>
     __device__ __forceinline__ void run_requests(int begin_req, const SchedRow& row) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
@@ -729,6 +740,7 @@ struct SplitKVCta {
         uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
         // Which bad_request flag is this request's: the loads run one request ahead (req & 1).
         // (Sparse requests are never bad.)
+        if constexpr (T::kSparse && kRole == 1) load_sinks();
         if constexpr (!T::kLoaderWarps) {
             if (threadIdx.x == 0) load_q(begin_req);
             if constexpr (T::kSeesaw && T::kConsumersLoad) {
@@ -768,8 +780,13 @@ struct SplitKVCta {
             clear(o);
             if (T::kSeesaw && threadIdx.x < kBlockM) st.row_max[threadIdx.x] = kRowMaxInit;
 
+            // Sparse: a split request's first split index, for the epilogue, loaded by the values
+            // warpgroup while Q arrives (a load behind the producer's gathers waits ~2 µs).
+            int split_base = 0;
+            if (T::kSparse && kRole == 1 && idx == 0 && !span.whole) split_base = p.num_splits[req];
             mbarrier_wait(bar_q, (req - begin_req) & 1);   // Q's phase from the count: one register less
             if constexpr (T::kProducer && !T::kE4m3Q) q_to_fp16();
+            if (T::kSparse && kRole == 1 && idx == 0) st.split_base[req & 1] = split_base;
             if constexpr (T::kSparse) {
                 if constexpr (kRole == 0) {
                     float row_max[2] = {kRowMaxInit, kRowMaxInit};
@@ -825,7 +842,8 @@ struct SplitKVCta {
             out.kv_head = kv_head;
             out.m_block = m_block;
             out.num_rows = min(p.q_rows - m_block * kBlockM, kBlockM);
-            const long long split = (long long)p.num_splits[req] + (req == begin_req ? schedule(row).begin_split : 0);
+            const long long split = (long long)(T::kSparse ? st.split_base[req & 1] : p.num_splits[req]) +
+                                    (req == begin_req ? schedule(row).begin_split : 0);
             out.split_idx = span.whole ? -1 : static_cast<int>(split);
             const int bad_slot = req & 1;
             // Flags set before reduce_row_sums' barrier, by the loader warps before bar_loads_issued,

@@ -150,7 +150,10 @@ struct SplitKVTraits {
         float scale0[kBlockM];           // rescale factor computed by warpgroup 0 this step (page)
         float scale1[kBlockM];           // ... by warpgroup 1
         float row_sum[2][kBlockM];       // per-warpgroup softmax denominators, for the epilogue
+        float sink_log2[kBlockM];        // sparse: each row's attention sink times log2(e), -inf
+                                         // without one (read once per CTA: load_sinks)
         int bad_request[2];              // a bad block id was seen (NaN output); slots: run_requests
+        int split_base[2];               // sparse: num_splits of a split request (slot req & 1)
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full;
                                          // an e4m3 q: bar_kv[0][2 v + half], half of V^T buffer v)
