@@ -719,9 +719,6 @@ struct SplitKVCta {
         }
     }
 
-    // The scheduler's requests [begin_req, end_req] (`row`: its metadata), from the first Q load
-    // to the last output. kRole: the sparse warpgroup (0 scores, 1 values), each compiled apart
-    // so that ptxas keeps it within its own register budget; -1: dense.
     // Sparse: each row's attention sink into st.sink_log2, once: a request is one query token, so
     // the m-block's heads are the same in every request. Loaded where the epilogue wants it, its
     // latency behind the producer's gathers cost each request ~2 µs (docs/perf-notes.md section 52).
@@ -733,14 +730,17 @@ struct SplitKVCta {
         st.sink_log2[idx] = present ? p.attn_sink[head] * kLog2e : -kInf;
     }
 
+    // The scheduler's requests [begin_req, end_req] (`row`: its metadata), from the first Q load
+    // to the last output. kRole: the sparse warpgroup (0 scores, 1 values), each compiled apart
+    // so that ptxas keeps it within its own register budget; -1: dense.
     template <int kRole>
     __device__ __forceinline__ void run_requests(int begin_req, const SchedRow& row) {
         uint32_t phase0 = 0, phase1 = 0;                 // dense: TMA phases of the page buffers
         uint32_t v_phases = 0;                           // an e4m3 q: wait_expanded
         uint32_t kv_phase = 0;                           // FP8: bit b, the phase of page buffer b
+        if constexpr (T::kSparse && kRole == 1) load_sinks();
         // Which bad_request flag is this request's: the loads run one request ahead (req & 1).
         // (Sparse requests are never bad.)
-        if constexpr (T::kSparse && kRole == 1) load_sinks();
         if constexpr (!T::kLoaderWarps) {
             if (threadIdx.x == 0) load_q(begin_req);
             if constexpr (T::kSeesaw && T::kConsumersLoad) {
