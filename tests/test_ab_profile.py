@@ -63,6 +63,7 @@ def test_compare_reads_the_profilers_csv_and_reports_b_over_a(tmp_path):
                        timeout=1, run=fake_run)
     assert [name for name, _ in order] == list("abbaabba")
     assert (tmp_path / "out" / "summary.txt").read_text().splitlines() == lines
+    assert lines[2] == "profile --dtype bf16 --varlen off"          # what ran, after the trees
     text = "\n".join(lines)
     assert "bf16: 4 profiles of A, 4 of B, 12 shapes" in text
     by_group = {line.split(":")[0].strip(): line for line in lines if line.startswith("  page")}

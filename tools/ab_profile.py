@@ -59,10 +59,15 @@ def schedule(rounds: int, dtypes: list[str]) -> list[tuple[int, str, str]]:
     return [(r, who, dtype) for r in range(rounds) for who in ("A", "B", "B", "A") for dtype in dtypes]
 
 
+def profile_words(dtype: str, profile_args: list[str]) -> list[str]:
+    """The profiler's command line for one dtype, from ``profile`` on."""
+    kind = ["sparse"] if dtype == SPARSE else ["--dtype", dtype]
+    return ["profile", *kind, *profile_args]
+
+
 def profile_command(tree: Path, dtype: str, profile_args: list[str], csv_path: Path) -> list[str]:
     # run with the tree as working directory: -m puts it first on sys.path, before any installed copy
-    kind = ["sparse"] if dtype == SPARSE else ["--dtype", dtype]
-    return [sys.executable, "-m", "flashmla_cupy", "profile", *kind, *profile_args, "--csv", str(csv_path)]
+    return [sys.executable, "-m", "flashmla_cupy", *profile_words(dtype, profile_args), "--csv", str(csv_path)]
 
 
 def run_profile(tree: Path, dtype: str, profile_args: list[str], csv_path: Path, log_path: Path,
@@ -151,7 +156,8 @@ def compare(tree_a: Path, tree_b: Path, dtypes: list[str], rounds: int, profile_
         print(f"[{n}/{len(plan)}] round {rnd + 1}, {who} {dtype}: {why or 'ok'}", flush=True)
         if why is None:
             runs.append((rnd, who, dtype, read_times(stem.with_suffix(".csv"))))
-    lines = [f"A = {tree_a}", f"B = {tree_b}", f"profile --dtype D {' '.join(profile_args)}", *summarize(runs)]
+    commands = [" ".join(profile_words(dtype, profile_args)) for dtype in dtypes]
+    lines = [f"A = {tree_a}", f"B = {tree_b}", *commands, *summarize(runs)]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     return lines
 
