@@ -8,6 +8,9 @@
 #
 #   FLASHMLA_SRC  a checkout of github.com/deepseek-ai/FlashMLA at 9241ae3 (the last commit
 #                 era that builds Hopper kernels; others may work if the files below exist)
+#
+# FLASHMLA_UP_OUT (the library's path) and FLASHMLA_UP_NVCC_FLAGS (more nvcc flags) serve
+# timeline.py's stamped build.
 set -euo pipefail
 src=$(cd "$1" && pwd)
 jobs=${2:-4}
@@ -19,7 +22,8 @@ flags=(-O3 -std=c++20 -DNDEBUG -D_USE_MATH_DEFINES --expt-relaxed-constexpr --ex
        -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__ -U__CUDA_NO_HALF2_OPERATORS__
        -U__CUDA_NO_BFLOAT16_CONVERSIONS__ -gencode arch=compute_90a,code=sm_90a -Xcompiler -fPIC
        -I"$src/csrc" -I"$src/csrc/sm90" -I"$src/csrc/kerutils/include" -I"$cutlass/include"
-       -I"$cutlass/tools/util/include" -I"$cuda_include/cccl")
+       -I"$cutlass/tools/util/include" -I"$cuda_include/cccl" ${FLASHMLA_UP_NVCC_FLAGS:-})
+out=${FLASHMLA_UP_OUT:-$here/libflashmla_up.so}
 objs=$(mktemp -d)
 trap 'rm -rf "$objs"' EXIT
 units=("$src/csrc/sm90/decode/dense/instantiations/bf16.cu" "$src/csrc/sm90/decode/dense/instantiations/fp16.cu"
@@ -29,5 +33,5 @@ units=("$src/csrc/sm90/decode/dense/instantiations/bf16.cu" "$src/csrc/sm90/deco
        "$src/csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu" "$here/shim.cu")
 printf '%s\n' "${units[@]}" | xargs -P "$jobs" -I{} sh -c \
     'nvcc -c "$@" "{}" -o "'"$objs"'/$(basename "{}" .cu).o"' _ "${flags[@]}"
-nvcc -shared -gencode arch=compute_90a,code=sm_90a -cudart static -o "$here/libflashmla_up.so" "$objs"/*.o
-echo "built $here/libflashmla_up.so"
+nvcc -shared -gencode arch=compute_90a,code=sm_90a -cudart static -o "$out" "$objs"/*.o
+echo "built $out"

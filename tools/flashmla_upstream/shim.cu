@@ -5,6 +5,7 @@
 // grids need: h_kv = 1, contiguous q, k_cache, indices, out and lse.
 #include <cuda_runtime_api.h>
 #include <cmath>
+#include <cstdlib>
 #include <cutlass/half.h>
 
 #include "params.h"
@@ -15,6 +16,15 @@
 
 namespace {
 constexpr int kHeadDimK = 576, kHeadDimV = 512, kPageBlock = 64, kFixedOverheadBlocks = 5;
+
+#ifdef FLASHMLA_UP_STAMPS
+// timeline.py's stamped build: the kernels' stamp buffer, a device address in FLASHMLA_UP_STAMPS
+// (read per call; unset: no stamps).
+unsigned long long* stamp_buffer() {
+    const char* address = std::getenv("FLASHMLA_UP_STAMPS");
+    return address ? reinterpret_cast<unsigned long long*>(std::strtoull(address, nullptr, 0)) : nullptr;
+}
+#endif
 }
 
 extern "C" int up_sched_meta_bytes() { return static_cast<int>(sizeof(DecodingSchedMeta)); }
@@ -70,6 +80,9 @@ extern "C" int up_decode(int is_fp16, int b, int s_q, int h_q, int num_blocks, i
     p.total_num_splits = b + num_sm_parts;
     p.softmax_lseaccum_ptr = lse_accum;
     p.oaccum_ptr = o_accum;
+#ifdef FLASHMLA_UP_STAMPS
+    p.fm_probe = stamp_buffer();
+#endif
     p.stream = static_cast<cudaStream_t>(stream);
     if (is_fp16) sm90::run_flash_splitkv_mla_kernel<cutlass::half_t>(p);
     else sm90::run_flash_splitkv_mla_kernel<cutlass::bfloat16_t>(p);
@@ -125,6 +138,9 @@ extern "C" int up_sparse_decode(int b, int s_q, int h_q, int num_blocks, int pag
     p.stride_o_s_q = h_q * kHeadDimV;
     p.stride_o_h_q = kHeadDimV;
     p.stream = static_cast<cudaStream_t>(stream);
+#ifdef FLASHMLA_UP_STAMPS
+    p.fm_probe = stamp_buffer();
+#endif
     p.lse_accum = lse_accum;
     p.o_accum = o_accum;
     p.stride_lse_accum_split = rows;

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 __version__ = "9241ae3 decoding via tools/flashmla_upstream"
-_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "libflashmla_up.so")
+_LIB = os.environ.get("FLASHMLA_UP_LIB") or os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                                         "libflashmla_up.so")     # timeline.py: the stamped build
 _lib = ctypes.CDLL(_LIB)
 _ptr = ctypes.c_void_p
 _lib.up_sched.argtypes = [ctypes.c_int] * 4 + [_ptr] * 4
