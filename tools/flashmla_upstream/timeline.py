@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,9 +36,12 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 STAMPED_LIB = HERE / "libflashmla_stamped.so"
+MAX_CTAS = 1024               # rows of the stamp buffer (the grids here have at most the SMs' count)
 SLOTS = 64                    # per CTA
 REQUESTS = 7                  # requests of a CTA with slots of their own
-FIRST_REQUEST_SLOT = 8        # request r, phase k: slot 8 + 8 r + k
+FIRST_REQUEST_SLOT = 8        # request r, phase k: slot FIRST_REQUEST_SLOT + REQUEST_SLOTS r + k
+REQUEST_SLOTS = 8
+SPARE_SLOT = 2                # written only where a stamp's value test never holds
 
 SPARSE = "csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh"
 DENSE = "csrc/sm90/decode/dense/splitkv_mla.cuh"
@@ -61,16 +65,23 @@ CTA_SLOTS = {0: "entry", 1: "scheduler row read", 3: "producer: page 0's indices
 REQUEST_PHASES = {0: "request start", 1: "Q arrived", 2: "pages done", 3: "row sums", 4: "O stores issued",
                   5: "O stores read (TMA)", 6: "end of request"}
 
+# At each kernel's start: the stamp macros, with the slot layout above. FM_STAMP_AFTER(value, slot)
+# stamps once `value` has arrived (it decides a store), FM_STAMP whenever the thread gets there.
 _MACROS = r"""
     unsigned long long* const fm_probe_ = params.fm_probe;
     const int fm_cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
 #define FM_STAMP(slot) do { if (fm_probe_) { unsigned long long t_; \
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_) :: "memory"); \
-        fm_probe_[fm_cta_ * 64 + (slot)] = t_; } } while (0)
+        fm_probe_[fm_cta_ * SLOTS + (slot)] = t_; } } while (0)
+#define FM_STAMP_AFTER(value, slot) do { \
+        if ((value) == 0x7eadbeef && fm_probe_) fm_probe_[fm_cta_ * SLOTS + SPARE_SLOT] = 1; \
+        FM_STAMP(slot); } while (0)
 #define FM_REQUEST(phase) do { const int r_ = batch_idx - sched_meta.begin_req_idx; \
-        if (r_ < 7) FM_STAMP(8 + 8 * r_ + (phase)); } while (0)
+        if (r_ < REQUESTS) FM_STAMP(FIRST_REQUEST_SLOT + REQUEST_SLOTS * r_ + (phase)); } while (0)
     if (threadIdx.x == 0) FM_STAMP(0);
 """
+_MACROS = re.sub(r"\b(SLOTS|SPARE_SLOT|REQUESTS|FIRST_REQUEST_SLOT|REQUEST_SLOTS)\b",
+                 lambda m: str(globals()[m.group(1)]), _MACROS)
 
 STAMPS = [
     Stamp(PARAMS, "struct DenseAttnDecodeParams { // TODO Change name to DenseAttnDecodeParams", 1, 1, True,
@@ -92,9 +103,8 @@ STAMPS = [
     Stamp(SPARSE, "sync_all_threads_in_cluster();", 1, 3, True, "            if (threadIdx.x == 0) FM_REQUEST(6);"),
     Stamp(SPARSE, "nxt_token_indexs[round] = __ldg(gIndices + args.start_block_idx*TOPK_BLOCK_SIZE + idx_in_cluster*(TOPK_BLOCK_SIZE/2) + round*NUM_TOKENS_PER_ROUND + my_token_idx_base);",
           1, 1, True,
-          # the index's value decides a store, so that the stamp waits for it
-          "                if (threadIdx.x == 256 && batch_idx == sched_meta.begin_req_idx) { "
-          "if (nxt_token_indexs[round] == 0x7eadbeef && fm_probe_) fm_probe_[fm_cta_ * 64 + 2] = 1; FM_STAMP(3); }"),
+          "                if (threadIdx.x == 256 && batch_idx == sched_meta.begin_req_idx) "
+          "FM_STAMP_AFTER(nxt_token_indexs[round], 3);"),
     Stamp(SPARSE, "plan.bar_k_local_ready[buf_idx].arrive();", 1, 1, True,
           "                if (threadIdx.x == 256 && block_idx == args.start_block_idx && "
           "batch_idx == sched_meta.begin_req_idx) FM_STAMP(4);"),
@@ -159,7 +169,7 @@ def phase_rows(stamps: np.ndarray, sparse: bool) -> list[tuple[str, np.ndarray]]
             continue
         t = stamps[:, :, slot]
         rows.append((f"{name} (after entry)", ((t - entry) / 1e3)[ran & (t != 0)]))
-    phase = lambda r, k: stamps[:, :, FIRST_REQUEST_SLOT + 8 * r + k]
+    phase = lambda r, k: stamps[:, :, FIRST_REQUEST_SLOT + REQUEST_SLOTS * r + k]
     intervals = [(f"{REQUEST_PHASES[k - 1]} -> {REQUEST_PHASES[k]}", k - 1, k, 0) for k in range(1, len(REQUEST_PHASES))]
     intervals.append((f"{REQUEST_PHASES[len(REQUEST_PHASES) - 1]} -> next request's start", len(REQUEST_PHASES) - 1, 0, 1))
     for name, k0, k1, next_request in intervals:
@@ -171,7 +181,7 @@ def phase_rows(stamps: np.ndarray, sparse: bool) -> list[tuple[str, np.ndarray]]
 
 def _requests_per_cta(stamps: np.ndarray) -> np.ndarray:
     ran = (stamps[:, :, 1] != 0)
-    starts = stamps[:, :, [FIRST_REQUEST_SLOT + 8 * r for r in range(REQUESTS)]] != 0
+    starts = stamps[:, :, [FIRST_REQUEST_SLOT + REQUEST_SLOTS * r for r in range(REQUESTS)]] != 0
     return starts.sum(-1)[ran]
 
 
@@ -189,7 +199,7 @@ def run(kind: str, shape: list[int], calls: int, save: Path | None = None) -> No
         b, h_q, s_q, s_k = shape
         x = inputs.make_mla_inputs(shapes.MLAShape(b, s_k, h_q, s_q, False, (s_k,) * b))   # bf16, causal
         prep = targets.setup_real_flash_mla(x)
-    buf = cupy.zeros((1024, SLOTS), dtype=np.uint64)
+    buf = cupy.zeros((MAX_CTAS, SLOTS), dtype=np.uint64)
     os.environ["FLASHMLA_UP_STAMPS"] = hex(buf.data.ptr)
     flush = cupy.empty(256 << 20, dtype=np.uint8)
     samples = []
@@ -206,7 +216,7 @@ def run(kind: str, shape: list[int], calls: int, save: Path | None = None) -> No
     print(f"FlashMLA {kind} {' '.join(map(str, shape))}: requests per CTA "
           f"{np.bincount(_requests_per_cta(stamps)).tolist()} (index = requests), {calls} calls")
     first = np.where(stamps[:, :, 0] != 0, stamps[:, :, 0], np.iinfo(np.int64).max).min(1)
-    last = stamps[:, :, FIRST_REQUEST_SLOT:FIRST_REQUEST_SLOT + 8 * REQUESTS].max((1, 2))
+    last = stamps[:, :, FIRST_REQUEST_SLOT:FIRST_REQUEST_SLOT + REQUEST_SLOTS * REQUESTS].max((1, 2))
     print(f"first entry to the last stamp: median {np.median(last - first) / 1e3:.2f} us")
     for name, d in phase_rows(stamps, kind == "sparse"):
         if d.size:
@@ -224,7 +234,7 @@ def main(argv=None) -> None:
         r = sub.add_parser(kind, help=f"stamps of FlashMLA's {kind} call (b h_q s_q {last})")
         r.add_argument("shape", type=int, nargs=4, metavar=("B", "H_Q", "S_Q", last.upper()))
         r.add_argument("--calls", type=int, default=20)
-        r.add_argument("--save", type=Path, help="the stamps, [calls, CTAs, 64] ns (numpy .npy)")
+        r.add_argument("--save", type=Path, help=f"the stamps, [calls, {MAX_CTAS}, {SLOTS}] ns (numpy .npy)")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         build(a.src, a.jobs)
