@@ -263,9 +263,12 @@ struct Fp8Producer {
     __device__ __forceinline__ void fill_pages(const IndexedTokens& tokens, int first_page, int end_page) {
         if (first_page >= end_page) return;
         const int steps = (end_page - first_page) << (ranks == 2 ? 0 : 1);
-        Cursor c{tokens.offset(p, lane_entry(tokens, first_page, end_page)), kSkippedToken,
-                 tokens.offset(p, lane_entry(tokens, first_page + 1, end_page)),
-                 lane_entry(tokens, first_page + 2, end_page)};
+        // The first three pages' entries are loaded together, before any offset is computed:
+        // computed in between, each waited for the one before it, a DRAM round trip more on every
+        // part's way to its first page (docs/perf-notes.md section 53).
+        const int entry0 = lane_entry(tokens, first_page, end_page), entry1 = lane_entry(tokens, first_page + 1, end_page),
+                  entry2 = lane_entry(tokens, first_page + 2, end_page);
+        Cursor c{tokens.offset(p, entry0), kSkippedToken, tokens.offset(p, entry1), entry2};
         prefetch_row(c.ahead_offsets);
         TokenLoads a = load_token(half_offset(c.offsets, ranks == 2 ? rank : 0)), b;
         #pragma unroll 1
