@@ -269,8 +269,12 @@ struct Fp8Producer {
         const int entry0 = lane_entry(tokens, first_page, end_page), entry1 = lane_entry(tokens, first_page + 1, end_page),
                   entry2 = lane_entry(tokens, first_page + 2, end_page);
         Cursor c{tokens.offset(p, entry0), kSkippedToken, tokens.offset(p, entry1), entry2};
-        prefetch_row(c.ahead_offsets);
+        // Page 0's loads go out before page 1's prefetches, ahead of them in the memory queues:
+        // every part starts at once after the flush, and its first page waits for them (0.45 us
+        // sooner at batch 2; the same order in fill_step slows the long rows, docs/perf-notes.md
+        // section 54).
         TokenLoads a = load_token(half_offset(c.offsets, ranks == 2 ? rank : 0)), b;
+        prefetch_row(c.ahead_offsets);
         #pragma unroll 1
         for (int k = 0; k < steps; k += 2) {
             fill_step(tokens, first_page, end_page, k, c, a, b);
