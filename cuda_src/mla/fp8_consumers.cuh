@@ -10,7 +10,7 @@
 // have read it. Why not the seesaw: two warpgroups that each hold S and half of O leave the
 // producer 40 registers, too few for a half page of gathered tokens in flight (the dense FP8
 // cache's expander needs no more: TMA loads its bytes); warpgroup 1 needs no S here, so the split
-// is 192 / 160 / 152 (splitkv_traits.cuh).
+// is 208 / 160 / 136 (splitkv_traits.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -39,11 +39,17 @@ __device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, 
                                                     float (&row_max)[2], uint32_t& kv_phase, int idx) {
     Tensor s = partition_fragment_C(typename T::MmaQK{}, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor pb = make_tensor<typename T::Element>(typename T::LayoutFragA{});
+    // Q's RoPE tile as the register operand of tile 8's WGMMAs, loaded once a request: with both
+    // operands in shared memory, a 64 x 64 x 16 step reads 4 KB, all that shared memory gives in
+    // its time, while the producer's stores compete (docs/perf-notes.md section 55).
+    using Rope = typename T::RopeElement;
+    Tensor q8 = make_tensor<Rope>(typename T::LayoutFragA{});
+    load_a_tile<T, Rope>(computed_here(reinterpret_cast<Rope*>(st.q + (kTilesK - 1) * 64 * kTileCols)), q8, idx);
     #pragma unroll 1
     for (int page = first_page; page < end_page; ++page) {
         const int buf = (page - first_page) & 1;
         qk_tiles<T, 0, kTilesK, true>(st.q, st.kv[buf], smem_u32(&st.bar_kv[buf][0]), (kv_phase >> buf) & 1,
-                                      RopeTileInSmem{}, s, idx);
+                                      q8, s, idx);
         kv_phase ^= 1u << buf;
         warpgroup_wait<0>();
         if (page > first_page) named_barrier_sync(int(WgBarrier::kPFree), 256);   // p0, scale0 read
@@ -61,7 +67,7 @@ __device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, 
             if (idx % 4 == 0) st.scale0[fragment_row(half, idx)] = factor[half];
         }
         scale_rows(o, factor);
-        store_p<T>(pb, st.p0, idx);
+        store_p<T>(pb, computed_here(st.p0), idx);             // addresses made here (kept, they spilled)
         fence_smem_for_async_proxy();
         named_barrier_arrive(int(WgBarrier::kPReady), 256);
         pv_reg_p<T, 0>(pb, st.kv[buf], o, idx);                  // O_L += P V_L

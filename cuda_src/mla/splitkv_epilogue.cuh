@@ -71,7 +71,8 @@ __device__ __forceinline__ void output_factors(const SplitKVParams& p, typename 
 template <typename T>
 __device__ __forceinline__ void store_lse(const SplitKVParams& p, typename T::SharedStorage& st,
                                           const OutputTarget& out) {
-    const int r = threadIdx.x;
+    // Sparse: read here; made at the start, ptxas kept it through the page loop and spilled it.
+    const int r = T::kSparse ? thread_index_here() : threadIdx.x;
     if (r >= out.num_rows) return;
     const float lse = row_lse(st.row_sum[0][r] + st.row_sum[1][r], st.row_max[r], out.bad, out.split_idx >= 0);
     const int q_row = out.m_block * kBlockM + r;
