@@ -69,15 +69,16 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, FragA const& a, FragB cons
     if constexpr (kRegA) warpgroup_fence_operand(const_cast<FragA&>(a));
 }
 
-// Tile 8 of Q (RoPE) for qk_tiles: in registers (the 16-bit cache's warpgroup 1 reuses that part
-// of sQ for its P), or this marker: still in sQ (the FP8 caches).
+// qk_tiles takes tile 8 of Q (RoPE) in registers: the 16-bit kernel reuses that part of sQ for
+// warpgroup 1's P, and the sparse kernel's QK^T reads less shared memory so (docs/perf-notes.md
+// section 55). This marker stands for it where Q stays staged in sQ (an e4m3 q: qk_staged).
 struct RopeTileInSmem {};
 
 // S (+)= Q K^T over the page's 64-column tiles kFirst, kFirst+1, ... (kCount of them, wrapping
 // mod 9; counted from tile 8 down where T::kQkFromLastTile), each issued as soon as its barrier
 // completes (one batch per tile). 16-bit cache: the
-// consumer announces TMA's bytes; FP8 caches: the producers fill the tiles. `q_tile8`: see
-// RopeTileInSmem. `kFresh`: the first tile overwrites S instead of accumulating.
+// consumer announces TMA's bytes; FP8 caches: the producers fill the tiles. `q_tile8`: Q's tile 8
+// in registers. `kFresh`: the first tile overwrites S instead of accumulating.
 template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS>
 __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::Element* page,
                                          uint32_t bar_page, uint32_t phase,
@@ -94,16 +95,9 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
         if (tile == kTilesK - 1) {
             auto rope_k = smem_tile<T>(reinterpret_cast<Rope*>(page + tile * kTileElems));
-            if constexpr (cute::is_same_v<FragQ8, RopeTileInSmem>) {
-                typename T::MmaQKRope mma_rope;
-                auto thr = mma_rope.get_slice(idx_in_wg);
-                wgmma_batch(mma_rope, thr.partition_fragment_A(smem_tile<T>(reinterpret_cast<Rope*>(sq + tile * kTileElems))),
-                            thr.partition_fragment_B(rope_k), s, kFresh && i == 0);
-            } else {
-                typename T::MmaQKRegQ mma_reg_q;
-                auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_k);
-                wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
-            }
+            typename T::MmaQKRegQ mma_reg_q;
+            auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_k);
+            wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
         } else {
             auto thr = mma.get_slice(idx_in_wg);
             wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sq + tile * kTileElems)),

@@ -86,16 +86,13 @@ struct SplitKVTraits {
     using DimK = Int<kHeadDimK>;
     using HalfV = Int<kHeadDimV / 2>;
 
-    // S = Q K^T for one page: 64 x 64, K = 576. Q from shared memory, or (its last 64 columns)
-    // from registers: that tile of sQ is reused as the buffer of warpgroup 1's P.
+    // S = Q K^T for one page: 64 x 64, K = 576. Q from shared memory but its last 64 columns (the
+    // RoPE tile), which come from registers (splitkv_gemm.cuh, qk_tiles).
     using MmaQK = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     using MmaQKRegQ = decltype(make_tiled_mma(
         GMMA::rs_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
-                             GMMA::Major::K, GMMA::Major::K>()));
-    using MmaQKRope = decltype(make_tiled_mma(       // FP8 caches: the RoPE tile of Q from shared memory
-        GMMA::ss_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     // An e4m3 q: S = Q K^T over one staged box of Q and of K (64 rows x 128 e4m3 values each).
     using MmaQKE4m3 = decltype(make_tiled_mma(
