@@ -70,12 +70,13 @@ struct SplitKVTraits {
     static_assert(kConsumerThreads == 256, "two consumer warpgroups");
     static_assert(kProducerThreads == 128, "one producer (loader) warpgroup");
     // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
-    // gives (384 x 168). Sparse: the scores warpgroup holds S, P, O_L and Q's RoPE tile, the values
-    // warpgroup only O_R, and the producer a half page's loads per round in flight. Dense: the seesaw's two
-    // warpgroups as in the 16-bit kernel, and an expander that holds two tiles' chunks (the next
-    // tile's read while one is written: at 40 registers their offsets spilled, recomputed per tile
-    // they cost 5-10 %; docs/perf-notes.md section 18). The 16-bit cache: the seesaw's warpgroups
-    // at 232 and the loader warps at 40 (at 240 / 24 the loader warps spilled their request state).
+    // gives (384 x 168). Sparse: the scores warpgroup holds S, P, O_L and Q's RoPE tile, the
+    // values warpgroup only O_R, and the producer a half page's loads per round in flight. Dense:
+    // the seesaw's two warpgroups as in the 16-bit kernel, and an expander that holds two tiles'
+    // chunks (the next tile's read while one is written: at 40 registers their offsets spilled,
+    // recomputed per tile they cost 5-10 %; docs/perf-notes.md section 18). The 16-bit cache: the
+    // seesaw's warpgroups at 232 and the loader warps at 40 (at 240 / 24 the loader warps spilled
+    // their request state).
     static constexpr int kScoresRegs = kSparse ? 208 : kLoaderWarps ? 232 : 224;
     static constexpr int kValuesRegs = kSparse ? 160 : kLoaderWarps ? 232 : 224;
     static constexpr int kProducerRegs = kSparse ? 136 : kLoaderWarps ? 40 : 56;
