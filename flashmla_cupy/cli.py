@@ -355,7 +355,8 @@ def cmd_profile(args) -> int:
     report.print_header(out, report.header_lines(env, runner.method_description(
         config, gpu.get("l2_bytes", 0), kind), kind=kind, seed=args.seed))
     try:
-        build.prebuild(build.profile_programs(kind, args.dtype, args.q_dtype, tuple(args.page_sizes or ())),
+        heads = tuple(s.h_q for s in shape_list) if kind == "sparse" else ()
+        build.prebuild(build.profile_programs(kind, args.dtype, args.q_dtype, tuple(args.page_sizes or ()), heads),
                        err, arch=gpu["arch"])
     except Exception as e:  # noqa: BLE001 - the run reports per-target failures itself
         err.print(f"[yellow]kernel prebuild failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}[/]")

@@ -57,19 +57,25 @@ def _mla_defines() -> tuple[tuple[str, str], ...]:
     return constants.defines() + layout_defines()
 
 
-def splitkv_program(tag: str, one_token_pages: bool = False) -> Program:
+def splitkv_program(tag: str, one_token_pages: bool = False, alone: bool = False) -> Program:
     """The split-KV kernel for a q/cache dtype tag (``DTYPE_TAGS``), ``SPARSE_FP8_TAG``, ``FP8_TAG``
     (the FP8 caches: bf16 q, fp16 inside) or ``FP8_Q_TAG`` (the dense FP8 cache, e4m3 q).
     ``one_token_pages`` (``ONE_TOKEN_PAGE_TAGS``): the form for a page_block_size of 1, which
-    copies the tokens with cp.async; a program of its own, compiled where that page size is used."""
+    copies the tokens with cp.async; a program of its own, compiled where that page size is used.
+    Sparse: by default the form for pairs of CTAs that share each page (two m-blocks, h_q 128);
+    ``alone``, the form for a CTA that dequantizes its pages alone (one m-block), a program of
+    its own too."""
     fp8 = {SPARSE_FP8_TAG: "kFp8Sparse, false", FP8_TAG: "kFp8, false", FP8_Q_TAG: "kFp8, true"}
     if one_token_pages and tag not in ONE_TOKEN_PAGE_TAGS:
         raise ValueError(f"one-token pages have a program of their own for {', '.join(ONE_TOKEN_PAGE_TAGS)}, not {tag}")
+    if alone and tag != SPARSE_FP8_TAG:
+        raise ValueError(f"the form for CTAs alone is {SPARSE_FP8_TAG}'s, not {tag}'s")
     args = (f"cutlass::half_t, flashmla::KVCache::{fp8[tag]}" if tag in fp8
             else f"{_CTYPES[tag]}, flashmla::KVCache::k16Bit, false")
-    tokens = ", true" if one_token_pages else ""
-    kernel = f"flashmla::splitkv_mla_kernel<{args}{tokens}>"
-    return Program(f"splitkv_mla<{tag}{', page 1' if one_token_pages else ''}>", "mla/splitkv_kernel.cu",
+    form = ", true" if one_token_pages else ", false, false" if alone else ", false, true" if tag == SPARSE_FP8_TAG else ""
+    kernel = f"flashmla::splitkv_mla_kernel<{args}{form}>"
+    name = f"{tag}{', page 1' if one_token_pages else ''}{', alone' if alone else ''}"
+    return Program(f"splitkv_mla<{name}>", "mla/splitkv_kernel.cu",
                    (kernel,), _mla_defines() + (("FLASHMLA_SPLITKV_SMEM_BYTES", str(SPLITKV_SMEM_BYTES)),))
 
 
@@ -107,6 +113,7 @@ def metadata_program() -> Program:
 
 def mla_programs() -> list[Program]:
     return [*(splitkv_program(t) for t in (*DTYPE_TAGS, SPARSE_FP8_TAG, FP8_TAG, FP8_Q_TAG)),
+            splitkv_program(SPARSE_FP8_TAG, alone=True),
             *(splitkv_program(t, one_token_pages=True) for t in ONE_TOKEN_PAGE_TAGS),
             fp8_narrow_program(), *(combine_program(t) for t in DTYPE_TAGS), metadata_program()]
 

@@ -157,14 +157,16 @@ class SparsePlan(LaunchPlan):
 
     def _prepare_launches(self) -> None:
         a = self.inputs
-        splitkv = launch.get_kernel(programs.splitkv_program(programs.SPARSE_FP8_TAG))
-        combine = launch.get_kernel(programs.combine_program("bf16"))
         m_blocks = -(-a.h_q // BLOCK_M)
-        # m-blocks pair up in clusters of two CTAs that share the dequantized pages (fp8_producer.cuh)
+        # m-blocks pair up in clusters of two CTAs that share the dequantized pages (fp8_producer.cuh);
+        # a CTA alone has a kernel of its own
+        pairs = m_blocks % 2 == 0
+        splitkv = launch.get_kernel(programs.splitkv_program(programs.SPARSE_FP8_TAG, alone=not pairs))
+        combine = launch.get_kernel(programs.combine_program("bf16"))
         self.splitkv = splitkv.prepare((m_blocks, 1, a.num_sm_parts),
                                        (SPLITKV_THREADS + PRODUCER_THREADS, 1, 1), SplitKVParams,
                                        smem=programs.SPLITKV_SMEM_BYTES, stream=self.stream_ptr, pdl=True,
-                                       cluster_x=2 if m_blocks % 2 == 0 else 1)
+                                       cluster_x=2 if pairs else 1)
         p = self.splitkv.params
         p.total_splits, p.batch, p.s_q, p.q_rows, p.heads_per_kv = a.requests + a.num_sm_parts, a.requests, 1, a.h_q, a.h_q
         p.h_q, p.h_kv, p.causal, p.scale_log2 = a.h_q, 1, 0, a.softmax_scale * math.log2(math.e)

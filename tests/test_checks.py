@@ -732,6 +732,27 @@ def test_sparse_call_checks_a_layout_once_then_writes_pointers(fake_gpu, monkeyp
     assert len(fake_gpu.launches) == 6
 
 
+@pytest.mark.parametrize("h_q", [128, 64, 16])
+def test_sparse_call_pairs_ctas_where_two_m_blocks_share_the_pages(fake_gpu, monkeypatch, h_q):
+    # h_q 128: two m-blocks, launched as 2-CTA clusters in the kernel's form for pairs; fewer
+    # heads: one m-block, the form for a CTA alone (a program of its own), no cluster.
+    from flashmla_cupy import tma
+
+    monkeypatch.setattr(tma, "rows_4d_at", lambda *args, **kwargs: bytes(128))       # no driver here
+    a = fake_gpu.arrays
+    parts = scheduler.num_sm_parts(a.sm_count, h_q, 1)
+    args = sparse_args(a, q=lambda a: a.empty((B, SPARSE_S_Q, h_q, 576), BF16),
+                       attn_sink=lambda a: a.empty((h_q,), F32),
+                       tile_scheduler_metadata=lambda a: a.empty((parts, scheduler.SCHED_META_INTS), I32))
+    out, lse = a.empty((B, SPARSE_S_Q, h_q, 512), BF16), a.empty((B, h_q, SPARSE_S_Q), F32)
+    ws = mla.MLAWorkspace(B * SPARSE_S_Q, 1, h_q, 1, parts, BF16, alloc=lambda n: a.empty((n,), np.uint8))
+    mla.flash_mla_with_kvcache(**args, out=out, lse=lse, workspace=ws)
+    splitkv = fake_gpu.launches[-2]
+    pairs = h_q == 128
+    assert splitkv.program == programs.splitkv_program(programs.SPARSE_FP8_TAG, alone=not pairs)
+    assert (splitkv.grid[0], splitkv.options["cluster_x"]) == ((2, 2) if pairs else (1, 1))
+
+
 @pytest.mark.parametrize("page", [64, 1])
 def test_dense_call_gives_the_kernel_the_caches_bytes(fake_gpu, monkeypatch, page):
     # The 16-bit kernel reads the cache by TMA, and at one-token pages (a program of its own) by

@@ -94,6 +94,7 @@ def test_every_mla_kernel_compiles_for_sm90a_without_spills(mla_cubins, monkeypa
                                                              programs.FP8_Q_TAG)]
     fp8_splitkv += [programs.splitkv_program(tag, one_token_pages=True) for tag in (programs.FP8_TAG,
                                                                                      programs.FP8_Q_TAG)]
+    fp8_splitkv.append(programs.splitkv_program(programs.SPARSE_FP8_TAG, alone=True))
     old_ptxas_stack = {p.name: 96 for p in fp8_splitkv}
     old_ptxas_stack[programs.fp8_narrow_program().name] = 24
     for c in cubins:

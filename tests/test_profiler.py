@@ -1576,7 +1576,7 @@ def test_profile_fp8_end_to_end_with_a_stand_in_gpu(monkeypatch, tmp_path, capsy
     argv = ["profile", "--dtype", "fp8", "--seqlens", "128", "--heads", "16", "--s-q", "1,2", "--varlen", "off",
             "--baseline", "flash_mla", "--check", "--csv", str(csv_path), "--json", str(json_path)]
     assert _cli_with_a_stand_in_gpu(monkeypatch, argv + (["--q-dtype", q_dtype] if q_dtype else [])) == 0
-    assert built == [("mla", "fp8", q_dtype, ())]
+    assert built == [("mla", "fp8", q_dtype, (), ())]
     out = capsys.readouterr().out
     assert f"MLA decoding, q {q_text}, FP8 cache (576 B/token, one scale), causal, h_kv 1" in out
     assert "skipped flash_mla at 2 of 2 shapes: FlashMLA has no dense FP8 decoding on Hopper" in out
@@ -1646,7 +1646,13 @@ def test_compile_takes_every_program_from_the_registry():
 def test_a_profile_prebuilds_the_programs_it_launches():
     names = {kind: [p.name for p in build.profile_programs(kind, "fp16")] for kind in ("mla", "sparse")}
     assert names == {"mla": ["splitkv_mla<fp16>", "mla_combine<fp16>", "mla_metadata"],
-                     "sparse": ["splitkv_mla<fp8_sparse>", "mla_combine<bf16>", "mla_metadata"]}
+                     "sparse": ["splitkv_mla<fp8_sparse>", "splitkv_mla<fp8_sparse, alone>", "mla_combine<bf16>",
+                                "mla_metadata"]}
+    # sparse: the form for pairs of CTAs where h_q makes an even number of m-blocks, else CTAs alone
+    forms = {heads: [p.name for p in build.profile_programs("sparse", "bf16", None, (), heads)][:-2]
+             for heads in ((128,), (64, 16), (128, 32))}
+    assert forms == {(128,): ["splitkv_mla<fp8_sparse>"], (64, 16): ["splitkv_mla<fp8_sparse, alone>"],
+                     (128, 32): ["splitkv_mla<fp8_sparse>", "splitkv_mla<fp8_sparse, alone>"]}
     fp8 = build.profile_programs("mla", "fp8")        # the dense FP8 cache: its split-KV and narrow kernels, bf16 out
     assert [p.name for p in fp8] == ["splitkv_mla<fp8>", "fp8_narrow_mla", "mla_combine<bf16>", "mla_metadata"]
     assert [p.name for p in build.profile_programs("mla", "fp8", "fp8")][0] == "splitkv_mla<fp8q>"   # e4m3 q

@@ -19,12 +19,13 @@
 // half page ahead, stored as they are (tile 8).
 //
 // Hand-off per page buffer: the producer waits for the release by every consumer warpgroup of
-// the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on each of their full
-// barriers (bar_kv), then tiles 4-8 the same way: S = Q K^T starts on the first group while the
-// second is stored. Global loads run a half page ahead of the stores (fill_pages), so that
-// after a release only the stores stand between the producer and the next hand-off, and each
-// token is prefetched into L2 two pages ahead of its loads: a half page of loads in flight (all
-// the registers allow) waits out DRAM's latency otherwise (docs/perf-notes.md section 20).
+// the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on their full barriers
+// (bar_kv: one per tile, or one for the group in the form for CTAs alone), then tiles 4-8 the same
+// way: S = Q K^T starts on the first group while the second is stored. Global loads run a half
+// page ahead of the stores (fill_pages), so that after a release only the stores stand between
+// the producer and the next hand-off, and each token is prefetched into L2 two pages ahead of its
+// loads: a half page of loads in flight (all the registers allow) waits out DRAM's latency
+// otherwise (docs/perf-notes.md section 20).
 //
 // Lanes: for rows 32r .. 32r + 31 each warp owns 8 rows; lane = row (lane % 8) x part (lane / 8),
 // and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one warp-wide store
@@ -167,21 +168,26 @@ struct Fp8Producer {
 
     // The group's tiles are complete in this CTA, and in a pair this warp's rows (8, from
     // `first_row`) of them are on their way to the peer. Warp 0 announces the bytes the peer's
-    // warps send here.
+    // warps send here, on each barrier the bytes of its tiles (SplitKVTraits::kv_barrier).
     template <int kGroup>
     __device__ __forceinline__ void publish(int buf, int first_row) const {
         fence_smem_for_async_proxy();           // the consumers' WGMMAs and the bulk copies read these stores
         __syncwarp();
+        constexpr int kFirstTile = 4 * kGroup, kEndTile = kGroup == 0 ? 4 : kTilesK;
+        constexpr int kTilesPerBarrier = T::kGroupBarriers ? kEndTile - kFirstTile : 1;
         if (lane == 0) {
             CUTE_UNROLL
-            for (int tile = 4 * kGroup; tile < (kGroup == 0 ? 4 : kTilesK); ++tile) {
-                const uint32_t bar = smem_u32(&st.bar_kv[buf][tile]);
+            for (int tile = kFirstTile; tile < kEndTile; tile += kTilesPerBarrier) {
+                const uint32_t bar = smem_u32(&st.bar_kv[buf][T::kv_barrier(tile)]);
                 if (ranks == 2) {
-                    const uint32_t rows = chunk_address(buf, tile, first_row, 0);
-                    copy_to_peer_async(rows + peer_offset, rows, 8 * kSwizzleRowBytes, bar + peer_offset);
+                    CUTE_UNROLL
+                    for (int t = tile; t < tile + kTilesPerBarrier; ++t) {
+                        const uint32_t rows = chunk_address(buf, t, first_row, 0);
+                        copy_to_peer_async(rows + peer_offset, rows, 8 * kSwizzleRowBytes, bar + peer_offset);
+                    }
                 }
                 if (ranks == 2 && warp == 0) {
-                    mbarrier_arrive_expect_tx(bar, kPeerTileBytes);
+                    mbarrier_arrive_expect_tx(bar, kTilesPerBarrier * kPeerTileBytes);
                 } else {
                     mbarrier_arrive(bar);
                 }

@@ -89,9 +89,10 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
     CUTE_UNROLL
     for (int i = 0; i < kCount; ++i) {
         const int tile = T::kQkFromLastTile ? kTilesK - 1 - (kFirst + i) % kTilesK : (kFirst + i) % kTilesK;
-        const uint32_t bar = bar_page + tile * sizeof(uint64_t);
+        const uint32_t bar = bar_page + T::kv_barrier(tile) * sizeof(uint64_t);
         if (!T::kProducer && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
-        mbarrier_wait(bar, phase);
+        const int previous = T::kQkFromLastTile ? tile + 1 : tile - 1;
+        if (i == 0 || T::kv_barrier(previous) != T::kv_barrier(tile)) mbarrier_wait(bar, phase);
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
         if (tile == kTilesK - 1) {
             auto rope_k = smem_tile<T>(reinterpret_cast<Rope*>(page + tile * kTileElems));

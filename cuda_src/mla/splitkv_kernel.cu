@@ -866,10 +866,10 @@ struct SplitKVCta {
     }
 };
 
-template <typename Element, KVCache kCache, bool kE4m3Q = false, bool kTokenPages = false>
+template <typename Element, KVCache kCache, bool kE4m3Q = false, bool kTokenPages = false, bool kPairs = false>
 __global__ void __launch_bounds__(SplitKVTraits<Element, kCache>::kThreads, 1)
 splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
-    using T = SplitKVTraits<Element, kCache, kE4m3Q, kTokenPages>;
+    using T = SplitKVTraits<Element, kCache, kE4m3Q, kTokenPages, kPairs>;
     constexpr bool kSparse = T::kSparse, kProducer = T::kProducer;
     extern __shared__ __align__(1024) unsigned char smem[];
     auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem);

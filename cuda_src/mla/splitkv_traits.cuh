@@ -35,7 +35,13 @@ enum class KVCache : int {
 // cp.async where TMA would take a box per token (SplitKVCta::load_token_tiles,
 // copy_staged_tokens); a program of its own, since that path inside the other form cost the other
 // page sizes 0.5 % (docs/perf-notes.md section 40).
-template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false, bool kTokenPages_ = false>
+// kPairs_ (sparse cache only): the form for pairs of CTAs, the two of a cluster (two m-blocks,
+// h_q 128) sharing each page, each dequantizing half of it (fp8_producer.cuh); false: the form
+// for a CTA that dequantizes its pages alone (one m-block). The forms differ in their full
+// barriers (kv_barrier); the rest reads the cluster's size at run time (fold it, and ptxas spills
+// in the pairs' page loop), so either form runs correctly in either launch.
+template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false, bool kTokenPages_ = false,
+          bool kPairs_ = false>
 struct SplitKVTraits {
     using Element = Element_;                  // Q, K, V, P (the NoPE part, for kFp8Sparse)
     static constexpr KVCache kCache = kCache_;
@@ -44,6 +50,8 @@ struct SplitKVTraits {
     static constexpr bool kSparse = kCache == KVCache::kFp8Sparse;
     static constexpr bool kTokenPages = kTokenPages_;
     static_assert(!kTokenPages || kCache != KVCache::kFp8Sparse, "one-token pages: the dense caches");
+    static constexpr bool kPairs = kPairs_;
+    static_assert(!kPairs || kCache == KVCache::kFp8Sparse, "pairs of CTAs: the sparse cache");
     static constexpr bool kProducer = kCache != KVCache::k16Bit;
     static constexpr bool kSeesaw = !kSparse;         // both consumer warpgroups compute scores
     // Who loads the pages. The 16-bit cache: the warps of a third warpgroup (SplitKVCta::run_loads),
@@ -56,6 +64,13 @@ struct SplitKVTraits {
     static constexpr bool kConsumersLoad = !kLoaderWarps && !kExpanderStages;
     // QK^T takes a page's tiles from the last (8) down: the order the dense FP8 expander fills them.
     static constexpr bool kQkFromLastTile = kCache == KVCache::kFp8;
+    // The full barrier (bar_kv[buf][...]) that completes a page's tile. The sparse producer
+    // publishes a page in two groups, tiles 0-3 then 4-8; in the form for CTAs alone each group
+    // completes on one barrier, so that QK^T waits twice a page instead of nine times (each wait a
+    // round trip that left the tensor cores idle: 2.7 % faster). Pairs keep a barrier per tile:
+    // one per group was 1 % slower there (docs/perf-notes.md section 56).
+    static constexpr bool kGroupBarriers = kSparse && !kPairs;
+    static constexpr int kv_barrier(int tile) { return kGroupBarriers ? (tile < 4 ? 0 : 1) : tile; }
     // The caller's precision: q and O.
     using IoElement = cuda::std::conditional_t<kProducer, cutlass::bfloat16_t, Element>;
     // The RoPE tile (8) of Q and K.

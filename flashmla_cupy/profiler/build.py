@@ -134,20 +134,25 @@ def records(cubins: list) -> list[dict]:
 
 
 def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = None,
-                     page_sizes: tuple[int, ...] = ()) -> list:
+                     page_sizes: tuple[int, ...] = (), heads: tuple[int, ...] = ()) -> list:
     """The programs a profile launches: for MLA the split-KV kernel of the cache's dtype (the
     profile's dtype names are the registry's tags: bf16, fp16, fp8; over the FP8 cache an e4m3 q,
     ``q_dtype`` fp8, has a kernel of its own; ``ONE_TOKEN_PAGE_TAGS`` in one-token pages too; with
     a bf16 q the narrow kernel's program as well, for shapes of at most 32 rows per KV head), the combine
     kernel of out's dtype (bf16 over the FP8 cache) and the metadata kernel; for sparse decoding
-    the sparse FP8 split-KV kernel with the bf16 combine and the metadata kernel; for attention
-    the minimal FlashAttention's. ``page_sizes``: the profile's (none: the default, 64)."""
-    from .. import programs
+    the sparse FP8 split-KV kernel's forms for the profile's ``heads`` (pairs of CTAs where h_q
+    makes an even number of 64-row m-blocks, a CTA alone otherwise; no heads given: both) with the
+    bf16 combine and the metadata kernel; for attention the minimal FlashAttention's.
+    ``page_sizes``: the profile's (none: the default, 64)."""
+    from .. import constants, programs
     from .shapes import FP8_Q, out_dtype
     if kind == "attention":
         return collect_programs("attention")
-    splitkv_tag, out_tag = ((programs.SPARSE_FP8_TAG, "bf16") if kind == "sparse"
-                            else (dtype_tag, out_dtype(dtype_tag)))
+    if kind == "sparse":
+        pairs = {-(-h // constants.BLOCK_M) % 2 == 0 for h in heads} or {True, False}
+        return [*(programs.splitkv_program(programs.SPARSE_FP8_TAG, alone=not p) for p in (True, False) if p in pairs),
+                programs.combine_program("bf16"), programs.metadata_program()]
+    splitkv_tag, out_tag = dtype_tag, out_dtype(dtype_tag)
     if splitkv_tag == programs.FP8_TAG and q_dtype == FP8_Q:
         splitkv_tag = programs.FP8_Q_TAG
     token_pages = splitkv_tag in programs.ONE_TOKEN_PAGE_TAGS and 1 in page_sizes
