@@ -92,7 +92,14 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
         const uint32_t bar = bar_page + T::kv_barrier(tile) * sizeof(uint64_t);
         if (!T::kProducer && idx_in_wg == 0) mbarrier_arrive_expect_tx(bar, kTileElems * sizeof(typename T::Element));
         const int previous = T::kQkFromLastTile ? tile + 1 : tile - 1;
-        if (i == 0 || T::kv_barrier(previous) != T::kv_barrier(tile)) mbarrier_wait(bar, phase);
+        if (i == 0 || T::kv_barrier(previous) != T::kv_barrier(tile)) {
+            mbarrier_wait(bar, phase);
+        } else if constexpr (T::kGroupBarriers) {
+            // no wait before this tile: its descriptors made here all the same (hoisted across
+            // the group, NVRTC 13.5 spilled 16 B)
+            page = computed_here(page);
+            sq = computed_here(sq);
+        }
         auto k_tile = smem_tile<T>(page + tile * kTileElems);
         if (tile == kTilesK - 1) {
             auto rope_k = smem_tile<T>(reinterpret_cast<Rope*>(page + tile * kTileElems));
