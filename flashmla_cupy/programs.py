@@ -57,6 +57,12 @@ def _mla_defines() -> tuple[tuple[str, str], ...]:
     return constants.defines() + layout_defines()
 
 
+def sparse_pairs(h_q: int) -> bool:
+    """Whether sparse decoding runs h_q query heads in pairs of CTAs (clusters of two that share
+    each dequantized page): where h_q makes an even number of 64-row m-blocks."""
+    return -(-h_q // constants.BLOCK_M) % 2 == 0
+
+
 def splitkv_program(tag: str, one_token_pages: bool = False, alone: bool = False) -> Program:
     """The split-KV kernel for a q/cache dtype tag (``DTYPE_TAGS``), ``SPARSE_FP8_TAG``, ``FP8_TAG``
     (the FP8 caches: bf16 q, fp16 inside) or ``FP8_Q_TAG`` (the dense FP8 cache, e4m3 q).

@@ -160,7 +160,7 @@ class SparsePlan(LaunchPlan):
         m_blocks = -(-a.h_q // BLOCK_M)
         # m-blocks pair up in clusters of two CTAs that share the dequantized pages (fp8_producer.cuh);
         # a CTA alone has a kernel of its own
-        pairs = m_blocks % 2 == 0
+        pairs = programs.sparse_pairs(a.h_q)
         splitkv = launch.get_kernel(programs.splitkv_program(programs.SPARSE_FP8_TAG, alone=not pairs))
         combine = launch.get_kernel(programs.combine_program("bf16"))
         self.splitkv = splitkv.prepare((m_blocks, 1, a.num_sm_parts),

@@ -144,12 +144,12 @@ def profile_programs(kind: str, dtype_tag: str = "bf16", q_dtype: str | None = N
     makes an even number of 64-row m-blocks, a CTA alone otherwise; no heads given: both) with the
     bf16 combine and the metadata kernel; for attention the minimal FlashAttention's.
     ``page_sizes``: the profile's (none: the default, 64)."""
-    from .. import constants, programs
+    from .. import programs
     from .shapes import FP8_Q, out_dtype
     if kind == "attention":
         return collect_programs("attention")
     if kind == "sparse":
-        pairs = {-(-h // constants.BLOCK_M) % 2 == 0 for h in heads} or {True, False}
+        pairs = {programs.sparse_pairs(h) for h in heads} or {True, False}
         return [*(programs.splitkv_program(programs.SPARSE_FP8_TAG, alone=not p) for p in (True, False) if p in pairs),
                 programs.combine_program("bf16"), programs.metadata_program()]
     splitkv_tag, out_tag = dtype_tag, out_dtype(dtype_tag)
