@@ -22,12 +22,12 @@ _CTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 def _splitkv_smem_bytes() -> int:
     """The split-KV kernel's SharedStorage (splitkv_traits.cuh; the compile checks they agree):
     Q and two pages of 64 x 576 16-bit values, P0 (64 x 64), six 64-float row vectors, two
-    bad-request flags, two split indices, two 64-bit token masks, 30 mbarriers, padded to 1024
+    bad-request flags, two split indices, two 64-bit token masks, 31 mbarriers, padded to 1024
     bytes."""
     tile = constants.BLOCK_M * constants.TMA_BOX * 2
     tiles_k = constants.HEAD_DIM_K // constants.TMA_BOX
     size = (3 * tiles_k * tile + tile + 6 * constants.BLOCK_M * 4 + 2 * 4 + 2 * 4 + 2 * 8
-            + (2 * tiles_k + 3 + 2 + 1 + 4 + 2) * 8)
+            + (2 * tiles_k + 4 + 2 + 1 + 4 + 2) * 8)
     return -(-size // 1024) * 1024
 
 

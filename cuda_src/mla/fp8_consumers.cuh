@@ -6,8 +6,9 @@
 //     masked, online softmax with the running max in registers; P -> p0 and the rows' rescale
 //     factors -> scale0; O_L = O_L * factor + P V_L.
 //   values warpgroup (1): O_R = O_R * factor + P V_R, with P from p0.
-// Each releases the page buffer (bar_free, to every producer of the cluster) once its WGMMAs
-// have read it. Why not the seesaw: two warpgroups that each hold S and half of O leave the
+// Each releases the tiles it reads last (bar_free, to every producer of the cluster: the scores
+// warpgroup tiles 0-3 after P V_L, the values warpgroup tiles 4-8 after P V_R) once its WGMMAs
+// have read them. Why not the seesaw: two warpgroups that each hold S and half of O leave the
 // producer 40 registers, too few for a half page of gathered tokens in flight (the dense FP8
 // cache's expander needs no more: TMA loads its bytes); warpgroup 1 needs no S here, so the split
 // is 208 / 160 / 136 (splitkv_traits.cuh).
@@ -23,10 +24,11 @@ namespace flashmla {
 
 using namespace cute;
 
-// Page buffer `buf` may be refilled as far as this warpgroup is concerned (one thread calls).
-template <typename T>
-__device__ __forceinline__ void release_page(typename T::SharedStorage& st, int buf) {
-    const uint32_t bar = smem_u32(&st.bar_free[buf]);
+// Page buffer `buf`'s tile group kGroup (warpgroup kGroup's last reads) may be refilled as far as
+// this warpgroup is concerned (one thread calls).
+template <typename T, int kGroup>
+__device__ __forceinline__ void release_tiles(typename T::SharedStorage& st, int buf) {
+    const uint32_t bar = smem_u32(&st.bar_free[T::free_barrier(kGroup, buf)]);
     mbarrier_arrive(bar);
     if (cluster_size() == 2) mbarrier_arrive_peer(peer_address(bar, cluster_rank() ^ 1));
 }
@@ -72,7 +74,7 @@ __device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, 
         named_barrier_arrive(int(WgBarrier::kPReady), 256);
         pv_reg_p<T, 0>(pb, st.kv[buf], o, idx);                  // O_L += P V_L
         warpgroup_wait<0>();
-        if (idx == 0) release_page<T>(st, buf);
+        if (idx == 0) release_tiles<T, 0>(st, buf);   // tiles 0-3
     }
 }
 
@@ -88,7 +90,7 @@ __device__ __forceinline__ void fp8_values_pages(typename T::SharedStorage& st, 
         scale_rows(o, factor);
         pv_smem_p<T, 1>(st.p0, st.kv[buf], o, idx);             // O_R += P V_R
         warpgroup_wait<0>();
-        if (idx == 0) release_page<T>(st, buf);
+        if (idx == 0) release_tiles<T, 1>(st, buf);   // tiles 4-8
         if (page + 1 < end_page) named_barrier_arrive(int(WgBarrier::kPFree), 256);
     }
 }

@@ -18,14 +18,15 @@
 // (one m-block) dequantizes both halves. The bf16 RoPE chunks travel with the NoPE ones: loaded a
 // half page ahead, stored as they are (tile 8).
 //
-// Hand-off per page buffer: the producer waits for the release by every consumer warpgroup of
-// the cluster (bar_free), fills tiles 0-3, one arrival per producer warp on their full barriers
-// (bar_kv: one per tile, or one for the group in the form for CTAs alone), then tiles 4-8 the same
-// way: S = Q K^T starts on the first group while the second is stored. Global loads run a half
-// page ahead of the stores (fill_pages), so that after a release only the stores stand between
-// the producer and the next hand-off, and each token is prefetched into L2 two pages ahead of its
-// loads: a half page of loads in flight (all the registers allow) waits out DRAM's latency
-// otherwise (docs/perf-notes.md section 20).
+// Hand-off per page buffer: the producer waits for the release of tiles 0-3 by the cluster's
+// consumers (bar_free: each tile group is released by the warpgroups that read it last), fills
+// them, one arrival per producer warp on their full barriers (bar_kv: one per tile, or one for the
+// group in the form for CTAs alone), then tiles 4-8 the same way: S = Q K^T starts on the first
+// group while the second is stored. Global loads run a half page ahead of the stores
+// (fill_pages), so that after a release only the stores stand between the producer and the next
+// hand-off, and each token is prefetched into L2 two pages ahead of its loads: a half page of
+// loads in flight (all the registers allow) waits out DRAM's latency otherwise
+// (docs/perf-notes.md section 20).
 //
 // Lanes: for rows 32r .. 32r + 31 each warp owns 8 rows; lane = row (lane % 8) x part (lane / 8),
 // and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one warp-wide store
@@ -92,7 +93,7 @@ struct Fp8Producer {
     const int warp, lane;                 // warp within the producer warpgroup
     const uint32_t rank, ranks;           // this CTA's rank in its cluster; CTAs in it (1 or 2)
     const uint32_t peer_offset;           // shared::cluster address of the peer's byte minus ours
-    uint32_t free_phase = 0;              // bit b: phase of page buffer b's next bar_free wait
+    uint32_t free_phase = 0;              // bit b: phase of bar_free[b]'s next wait
 
     __device__ __forceinline__ Fp8Producer(const SplitKVParams& params, typename T::SharedStorage& storage)
         : p(params), st(storage), warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32),
@@ -159,11 +160,14 @@ struct Fp8Producer {
         }
     }
 
-    // Wait until every consumer warpgroup of the cluster has released page buffer `buf`. The
-    // first wait on each buffer passes at once (the phase "before" a fresh barrier's first).
+    // Wait until the cluster's consumers have released tile group kGroup of page buffer `buf`
+    // (SplitKVTraits::free_barrier). The first wait on each passes at once (the phase "before" a
+    // fresh barrier's first).
+    template <int kGroup>
     __device__ __forceinline__ void wait_free(int buf) {
-        mbarrier_wait(smem_u32(&st.bar_free[buf]), ((free_phase >> buf) & 1) ^ 1);
-        free_phase ^= 1u << buf;
+        const int bar = T::free_barrier(kGroup, buf);
+        mbarrier_wait(smem_u32(&st.bar_free[bar]), ((free_phase >> bar) & 1) ^ 1);
+        free_phase ^= 1u << bar;
     }
 
     // The group's tiles are complete in this CTA, and in a pair this warp's rows (8, from
@@ -246,7 +250,7 @@ struct Fp8Producer {
         next = load_token(last ? half_offset(c.next_offsets, first_half) : half_offset(c.offsets, half + 1));
         if (h == 0) {
             const uint32_t bits = __ballot_sync(0xffffffffu, c.offsets >= 0);
-            wait_free(buf);
+            wait_free<0>(buf);
             if (lane == 0) {           // byte b of the mask: rows 8b .. 8b + 7
                 st.token_valid[buf][warp] = static_cast<uint8_t>(bits);
                 st.token_valid[buf][4 + warp] = static_cast<uint8_t>(bits >> 8);
@@ -255,6 +259,7 @@ struct Fp8Producer {
         const int first_row = 32 * half + 8 * warp, row = first_row + lane % 8;
         store_token<0>(buf, row, current);
         if (last) publish<0>(buf, first_row);
+        if (h == 0) wait_free<1>(buf);
         store_token<1>(buf, row, current);
         if (last) {
             publish<1>(buf, first_row);

@@ -887,13 +887,13 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
             mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
             mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
         }
-        // FP8: both consumer warpgroups of every CTA of the cluster release a page buffer.
+        // Sparse: a tile group's warpgroup in each CTA of the cluster releases it (free_barrier).
         // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), or with an e4m3 q
         // every warp of both warpgroups its half of a V^T buffer (release_transposed_v); one
         // arrival (the byte count of the thread staging the page's first piece), and at one-token
         // pages one per thread of the staging warpgroup (copy_staged_tokens), completes a staged page.
-        for (int b = 0; b < kTransposedVBuffers; ++b) {
-            mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? 2 * cluster_size() : T::kE4m3Q ? 8 : 4);
+        for (int b = 0; b < (kSparse ? 4 : kTransposedVBuffers); ++b) {
+            mbarrier_init(smem_u32(&st.bar_free[b]), kSparse ? cluster_size() : T::kE4m3Q ? 8 : 4);
         }
         for (int b = 0; b < 2; ++b) mbarrier_init(smem_u32(&st.bar_staged[b]), T::kTokenPages ? 1 + 128 : 1);
         // 16-bit (and kExpanderStages): a consumer warpgroup's first thread announces each refill

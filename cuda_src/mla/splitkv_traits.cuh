@@ -71,6 +71,12 @@ struct SplitKVTraits {
     // one per group was 1 % slower there (docs/perf-notes.md section 56).
     static constexpr bool kGroupBarriers = kSparse && !kPairs;
     static constexpr int kv_barrier(int tile) { return kGroupBarriers ? (tile < 4 ? 0 : 1) : tile; }
+    // The sparse empty barrier (bar_free[...]) of page buffer `buf`'s tile group `group` (0: tiles
+    // 0-3 and the page's token mask, 1: tiles 4-8), released by the warpgroups that read it last,
+    // in every CTA of the cluster: the scores warpgroups after P V_L (group 0), the values
+    // warpgroups after P V_R (group 1; QK^T, tile 8's only reader, is done by then). Released as
+    // one, the producer waited for both P Vs before storing group 0 (docs/perf-notes.md section 58).
+    static constexpr int free_barrier(int group, int buf) { return 2 * group + buf; }
     // The caller's precision: q and O.
     using IoElement = cuda::std::conditional_t<kProducer, cutlass::bfloat16_t, Element>;
     // The RoPE tile (8) of Q and K.
@@ -170,8 +176,8 @@ struct SplitKVTraits {
         uint8_t token_valid[2][8];       // sparse: per page buffer, bit t = token t is attended
         uint64_t bar_kv[2][kTilesK];     // one barrier per 64-column tile of each page buffer (full;
                                          // an e4m3 q: bar_kv[0][2 v + half], half of V^T buffer v)
-        uint64_t bar_free[3];            // FP8 caches: a page buffer may be refilled (dense: its V_R;
-                                         // an e4m3 q: V^T buffer b)
+        uint64_t bar_free[4];            // FP8 caches: a page buffer may be refilled (dense: its V_R;
+                                         // an e4m3 q: V^T buffer b; sparse: a tile group, free_barrier)
         uint64_t bar_staged[2];          // dense FP8 cache: a page's e4m3 bytes are staged
         uint64_t bar_q;
         uint64_t bar_refill[4];          // 16-bit (and kExpanderStages): V0_L, V1_L, V0_R, V1_R may be
