@@ -11,7 +11,7 @@
 // have read them. Why not the seesaw: two warpgroups that each hold S and half of O leave the
 // producer 40 registers, too few for a half page of gathered tokens in flight (the dense FP8
 // cache's expander needs no more: TMA loads its bytes); warpgroup 1 needs no S here, so the split
-// is 208 / 160 / 136 (splitkv_traits.cuh).
+// is 224 / 160 / 120 in pairs and 208 / 160 / 136 for CTAs alone (splitkv_traits.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -47,11 +47,21 @@ __device__ __forceinline__ void fp8_scores_pages(typename T::SharedStorage& st, 
     using Rope = typename T::RopeElement;
     Tensor q8 = make_tensor<Rope>(typename T::LayoutFragA{});
     load_a_tile<T, Rope>(computed_here(reinterpret_cast<Rope*>(st.q + (kTilesK - 1) * 64 * kTileCols)), q8, idx);
+    // In pairs Q's tile 0 as well (SplitKVTraits::kScoresRegs).
+    auto q0 = [&] {
+        if constexpr (T::kPairs) {
+            Tensor q = make_tensor<typename T::Element>(typename T::LayoutFragA{});
+            load_a_tile<T, typename T::Element>(computed_here(st.q), q, idx);
+            return q;
+        } else {
+            return QTile0InSmem{};
+        }
+    }();
     #pragma unroll 1
     for (int page = first_page; page < end_page; ++page) {
         const int buf = (page - first_page) & 1;
         qk_tiles<T, 0, kTilesK, true>(st.q, st.kv[buf], smem_u32(&st.bar_kv[buf][0]), (kv_phase >> buf) & 1,
-                                      q8, s, idx);
+                                      q8, s, idx, q0);
         kv_phase ^= 1u << buf;
         warpgroup_wait<0>();
         if (page > first_page) named_barrier_sync(int(WgBarrier::kPFree), 256);   // p0, scale0 read

@@ -4,19 +4,20 @@
 // A "page" is 64 consecutive entries of one query token's index list (IndexedTokens says where
 // each row's token is). A token is DeepSeek-V3.2's 656 bytes: 512 e4m3 NoPE values, 4 float32
 // scales (one per 128 values), 64 bf16 RoPE values. The producer loads each row's token,
-// dequantizes the e4m3 values to fp16 and stores everything into a page buffer exactly as TMA
-// stores a 16-bit page (nine 64 x 64 tiles, 128-byte swizzle), so the consumers' WGMMAs are the
-// 16-bit kernel's. Skipped rows (id < 0, id outside the cache, position past topk_length) get
-// zeros and a 0 bit in token_valid.
+// dequantizes the e4m3 values to fp16 and fills a page buffer exactly as TMA stores a 16-bit
+// page (nine 64 x 64 tiles, 128-byte swizzle), so the consumers' WGMMAs are the 16-bit kernel's.
+// Skipped rows (id < 0, id outside the cache, position past topk_length) get zeros and a 0 bit
+// in token_valid.
 //
 // Pairs (FlashMLA's "crossover"): with two m-blocks the two CTAs of a request form a cluster and
 // read the same tokens. Each dequantizes half of every page (rows 32r .. 32r + 31 for rank r)
 // into its own page buffer; each warp then has the bulk-copy engine copy its 8 finished rows of
-// each tile (1 KB, contiguous) into the peer's buffer, whose tile barriers count those bytes. (Per
-// thread st.async of each 16-byte chunk, as FlashMLA does, doubled the producer's shared-memory
-// instructions and stalled the whole SM's MIO queues: docs/perf-notes.md section 19.) A CTA alone
-// (one m-block) dequantizes both halves. The bf16 RoPE chunks travel with the NoPE ones: loaded a
-// half page ahead, stored as they are (tile 8).
+// each NoPE tile (1 KB, contiguous) into the peer's buffer, whose tile barriers count those
+// bytes. (Per thread st.async of each 16-byte chunk, as FlashMLA does, doubled the producer's
+// shared-memory instructions and stalled the whole SM's MIO queues: docs/perf-notes.md section
+// 19.) A CTA alone (one m-block) dequantizes both halves. The bf16 RoPE values (tile 8) go by
+// cp.async straight into the page buffer, every row by each CTA (copy_rope): no registers held
+// for them, no bulk copy, and the registers left go to the scores warpgroup in pairs (Q's tile 0).
 //
 // Hand-off per page buffer: the producer waits for the release of tiles 0-3 by the cluster's
 // consumers (bar_free: each tile group is released by the warpgroups that read it last), fills
@@ -75,12 +76,11 @@ struct IndexedTokens {
     }
 };
 
-// What one lane loads of its token for a half page: NoPE chunks part + 4t (t = the V tile), the
-// token's four scales and RoPE chunks part and part + 4.
+// What one lane loads of its token for a half page: NoPE chunks part + 4t (t = the V tile) and
+// the token's four scales. (The RoPE values go by cp.async: copy_rope.)
 struct TokenLoads {
     uint4 nope[kTilesV];
     uint4 scales;
-    uint4 rope[2];
 };
 
 template <typename T>
@@ -120,10 +120,6 @@ struct Fp8Producer {
             t.nope[tile] = valid ? load_token_chunk(chunks + 64 * tile) : zero;
         }
         t.scales = valid ? load_token_chunk(token + kHeadDimV) : zero;
-        CUTE_UNROLL
-        for (int c = 0; c < 2; ++c) {
-            t.rope[c] = valid ? load_token_chunk(chunks + kFp8RopeOffset + 64 * c) : zero;
-        }
         return t;
     }
 
@@ -141,8 +137,7 @@ struct Fp8Producer {
         }
     }
 
-    // Group kGroup of row `row`: 0, NoPE tiles 0-3; 1, NoPE tiles 4-7 and the RoPE tile (bf16, as
-    // cached). 16 values per lane and tile.
+    // Group kGroup of row `row`: 0, NoPE tiles 0-3; 1, NoPE tiles 4-7. 16 values per lane and tile.
     template <int kGroup>
     __device__ __forceinline__ void store_token(int buf, int row, const TokenLoads& t) const {
         CUTE_UNROLL
@@ -153,11 +148,27 @@ struct Fp8Producer {
             const uint32_t scale_bits = tile / 2 == 0 ? e.x : tile / 2 == 1 ? e.y : tile / 2 == 2 ? e.z : e.w;
             store_dequantized(buf, tile, row, t.nope[tile], fp16x2_splat(__uint_as_float(scale_bits)));
         }
-        if constexpr (kGroup == 1) {
-            const int part = lane / 8;
+    }
+
+    // The RoPE tile (8) of page buffer `buf`: all 64 rows' bf16 values as cached, by cp.async
+    // (no registers held, and in a pair no bulk copy: each CTA copies every row). The lane takes
+    // chunks part and part + 4 of rows 8 warp + lane % 8 and that + 32 (`offsets` as lane_row
+    // spreads them); the tile's barrier counts one arrival per producer thread, made once its
+    // copies have landed.
+    __device__ __forceinline__ void copy_rope(int buf, int64_t offsets) const {
+        const int part = lane / 8;
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+            const int64_t off = half_offset(offsets, half);
+            const uint8_t* rope = p.cache + (off >= 0 ? off + kFp8RopeOffset : 0);
+            const int row = 32 * half + 8 * warp + lane % 8;
             CUTE_UNROLL
-            for (int c = 0; c < 2; ++c) store_shared(chunk_address(buf, kTilesK - 1, row, part + 4 * c), t.rope[c]);
+            for (int c = 0; c < 2; ++c) {
+                const int chunk = part + 4 * c;
+                cp_async_16(chunk_address(buf, kTilesK - 1, row, chunk), rope + 16 * chunk, off >= 0 ? 16 : 0);
+            }
         }
+        cp_async_arrive_noinc(smem_u32(&st.bar_kv[buf][T::kv_barrier(kTilesK - 1)]));
     }
 
     // Wait until the cluster's consumers have released tile group kGroup of page buffer `buf`
@@ -183,15 +194,17 @@ struct Fp8Producer {
             CUTE_UNROLL
             for (int tile = kFirstTile; tile < kEndTile; tile += kTilesPerBarrier) {
                 const uint32_t bar = smem_u32(&st.bar_kv[buf][T::kv_barrier(tile)]);
+                // the RoPE tile is copied by each CTA itself (copy_rope)
+                const int peer_tiles = min(tile + kTilesPerBarrier, kTilesK - 1) - tile;
                 if (ranks == 2) {
                     CUTE_UNROLL
-                    for (int t = tile; t < tile + kTilesPerBarrier; ++t) {
+                    for (int t = tile; t < tile + peer_tiles; ++t) {
                         const uint32_t rows = chunk_address(buf, t, first_row, 0);
                         copy_to_peer_async(rows + peer_offset, rows, 8 * kSwizzleRowBytes, bar + peer_offset);
                     }
                 }
-                if (ranks == 2 && warp == 0) {
-                    mbarrier_arrive_expect_tx(bar, kTilesPerBarrier * kPeerTileBytes);
+                if (ranks == 2 && warp == 0 && peer_tiles > 0) {
+                    mbarrier_arrive_expect_tx(bar, peer_tiles * kPeerTileBytes);
                 } else {
                     mbarrier_arrive(bar);
                 }
@@ -259,7 +272,10 @@ struct Fp8Producer {
         const int first_row = 32 * half + 8 * warp, row = first_row + lane % 8;
         store_token<0>(buf, row, current);
         if (last) publish<0>(buf, first_row);
-        if (h == 0) wait_free<1>(buf);
+        if (h == 0) {
+            wait_free<1>(buf);
+            copy_rope(buf, c.offsets);
+        }
         store_token<1>(buf, row, current);
         if (last) {
             publish<1>(buf, first_row);

@@ -78,11 +78,14 @@ struct RopeTileInSmem {};
 // mod 9; counted from tile 8 down where T::kQkFromLastTile), each issued as soon as its barrier
 // completes (one batch per tile). 16-bit cache: the
 // consumer announces TMA's bytes; FP8 caches: the producers fill the tiles. `q_tile8`: Q's tile 8
-// in registers. `kFresh`: the first tile overwrites S instead of accumulating.
-template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS>
+// in registers; `q_tile0`: Q's tile 0 in registers too (the sparse pairs' scores warpgroup), or
+// QTile0InSmem. `kFresh`: the first tile overwrites S instead of accumulating.
+struct QTile0InSmem {};
+template <typename T, int kFirst, int kCount, bool kFresh, typename FragQ8, typename FragS, typename FragQ0 = QTile0InSmem>
 __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::Element* page,
                                          uint32_t bar_page, uint32_t phase,
-                                         FragQ8 const& q_tile8, FragS& s, int idx_in_wg) {
+                                         FragQ8 const& q_tile8, FragS& s, int idx_in_wg, FragQ0 const& q_tile0 = {}) {
+    constexpr bool kRegTile0 = !cute::is_same_v<FragQ0, QTile0InSmem>;
     constexpr int kTileElems = 64 * kTileCols;
     using Rope = typename T::RopeElement;                  // bf16 in the sparse kernel
     typename T::MmaQK mma;
@@ -106,6 +109,12 @@ __device__ __forceinline__ void qk_tiles(typename T::Element* sq, typename T::El
             typename T::MmaQKRegQ mma_reg_q;
             auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(rope_k);
             wgmma_batch(mma_reg_q, q_tile8, frag_k, s, kFresh && i == 0);
+        } else if (kRegTile0 && tile == 0) {
+            if constexpr (kRegTile0) {                     // (q_tile0 is a fragment only then)
+                typename T::MmaQKRegQNoPE mma_reg_q;
+                auto frag_k = mma_reg_q.get_slice(idx_in_wg).partition_fragment_B(k_tile);
+                wgmma_batch(mma_reg_q, q_tile0, frag_k, s, kFresh && i == 0);
+            }
         } else {
             auto thr = mma.get_slice(idx_in_wg);
             wgmma_batch(mma, thr.partition_fragment_A(smem_tile<T>(sq + tile * kTileElems)),

@@ -881,11 +881,13 @@ splitkv_mla_kernel(const __grid_constant__ SplitKVParams p) {
         tma_prefetch_descriptor(&p.tma_kv);
         mbarrier_init(cta.bar_q, 1);
         // 16-bit cache: one arrival (the consumer announcing TMA's bytes), and at one-token pages
-        // one per loading lane (load_token_tiles); FP8: one per producer warp.
+        // one per loading lane (load_token_tiles); FP8: one per producer warp, and on the sparse
+        // RoPE tile's barrier one more per producer thread (Fp8Producer::copy_rope).
         const uint32_t fills = kProducer ? kProducerThreads / 32 : T::kTokenPages ? 1 + kBlockN : 1;
         for (int t = 0; t < kTilesK; ++t) {
-            mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), fills);
-            mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), fills);
+            const uint32_t count = fills + (kSparse && t == T::kv_barrier(kTilesK - 1) ? kProducerThreads : 0);
+            mbarrier_init(cta.bar_kv0 + t * sizeof(uint64_t), count);
+            mbarrier_init(cta.bar_kv1 + t * sizeof(uint64_t), count);
         }
         // Sparse: a tile group's warpgroup in each CTA of the cluster releases it (free_barrier).
         // Dense FP8: every warp of warpgroup 1 releases V_R (refill_v_right), or with an e4m3 q

@@ -91,16 +91,19 @@ struct SplitKVTraits {
     static_assert(kConsumerThreads == 256, "two consumer warpgroups");
     static_assert(kProducerThreads == 128, "one producer (loader) warpgroup");
     // FP8 caches: registers per thread after the split (setmaxnreg) of the pool that __launch_bounds__
-    // gives (384 x 168). Sparse: the scores warpgroup holds S, P, O_L and Q's RoPE tile, the
-    // values warpgroup only O_R, and the producer a half page's loads per round in flight. Dense:
+    // gives (384 x 168). Sparse: the scores warpgroup holds S, P, O_L and Q's RoPE tile (pairs:
+    // and Q's tile 0, so that QK^T reads 128 instead of 136 KB of shared memory a page), the
+    // values warpgroup only O_R, and the producer a half page's NoPE values and scales per round
+    // in flight (at 120 registers since the RoPE values go by cp.async; the form for CTAs alone,
+    // bound by its producer, keeps 136 and spilled 20 B at 120: docs/perf-notes.md section 58). Dense:
     // the seesaw's two warpgroups as in the 16-bit kernel, and an expander that holds two tiles'
     // chunks (the next tile's read while one is written: at 40 registers their offsets spilled,
     // recomputed per tile they cost 5-10 %; docs/perf-notes.md section 18). The 16-bit cache: the
     // seesaw's warpgroups at 232 and the loader warps at 40 (at 240 / 24 the loader warps spilled
     // their request state).
-    static constexpr int kScoresRegs = kSparse ? 208 : kLoaderWarps ? 232 : 224;
+    static constexpr int kScoresRegs = kSparse ? (kPairs ? 224 : 208) : kLoaderWarps ? 232 : 224;
     static constexpr int kValuesRegs = kSparse ? 160 : kLoaderWarps ? 232 : 224;
-    static constexpr int kProducerRegs = kSparse ? 136 : kLoaderWarps ? 40 : 56;
+    static constexpr int kProducerRegs = kSparse ? (kPairs ? 120 : 136) : kLoaderWarps ? 40 : 56;
     static_assert(kScoresRegs + kValuesRegs + kProducerRegs == 3 * 168, "the register pool");
 
     using BlockM = Int<kBlockM>;
@@ -115,6 +118,10 @@ struct SplitKVTraits {
                              GMMA::Major::K, GMMA::Major::K>()));
     using MmaQKRegQ = decltype(make_tiled_mma(
         GMMA::rs_op_selector<RopeElement, RopeElement, float, Shape<BlockM, Page, DimK>,
+                             GMMA::Major::K, GMMA::Major::K>()));
+    // The sparse pairs: Q's tile 0 from registers as well (fp16).
+    using MmaQKRegQNoPE = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<BlockM, Page, DimK>,
                              GMMA::Major::K, GMMA::Major::K>()));
     // An e4m3 q: S = Q K^T over one staged box of Q and of K (64 rows x 128 e4m3 values each).
     using MmaQKE4m3 = decltype(make_tiled_mma(
