@@ -22,12 +22,12 @@
 // Hand-off per page buffer: the producer waits for the release of tiles 0-3 by the cluster's
 // consumers (bar_free: each tile group is released by the warpgroups that read it last), fills
 // them, one arrival per producer warp on their full barriers (bar_kv: one per tile, or one for the
-// group in the form for CTAs alone), then tiles 4-8 the same way: S = Q K^T starts on the first
-// group while the second is stored. Global loads run a half page ahead of the stores
-// (fill_pages), so that after a release only the stores stand between the producer and the next
-// hand-off, and each token is prefetched into L2 two pages ahead of its loads: a half page of
-// loads in flight (all the registers allow) waits out DRAM's latency otherwise
-// (docs/perf-notes.md section 20).
+// group in the form for CTAs alone), then tiles 4-8 the same way (tile 8 by cp.async, counted
+// on the same barriers): S = Q K^T starts on the first group while the second is stored. Global
+// loads run a half page ahead of the stores (fill_pages), so that after a release only the
+// stores stand between the producer and the next hand-off, and each token is prefetched into L2
+// two pages ahead of its loads: a half page of loads in flight (all the registers allow) waits
+// out DRAM's latency otherwise (docs/perf-notes.md section 20).
 //
 // Lanes: for rows 32r .. 32r + 31 each warp owns 8 rows; lane = row (lane % 8) x part (lane / 8),
 // and part j moves 16-byte chunks j, j + 4, ... of its token's row, so that one warp-wide store

@@ -38,7 +38,8 @@ enum class KVCache : int {
 // kPairs_ (sparse cache only): the form for pairs of CTAs, the two of a cluster (two m-blocks,
 // h_q 128) sharing each page, each dequantizing half of it (fp8_producer.cuh); false: the form
 // for a CTA that dequantizes its pages alone (one m-block). The forms differ in their full
-// barriers (kv_barrier); the rest reads the cluster's size at run time (fold it, and ptxas spills
+// barriers (kv_barrier) and their register split (kScoresRegs: in pairs Q's tile 0 stays in
+// registers); the rest reads the cluster's size at run time (fold it, and ptxas spills
 // in the pairs' page loop), so either form runs correctly in either launch.
 template <typename Element_, KVCache kCache_ = KVCache::k16Bit, bool kE4m3Q_ = false, bool kTokenPages_ = false,
           bool kPairs_ = false>
